@@ -1,0 +1,22 @@
+# Set-up and the two jobs of this project. Everything installs from requirements.txt
+# (pinned, torch==2.13.0 CPU build) into .venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+
+demo: setup
+	$(BIN)/decodegraph generate --model preset:llama-tiny --load-format dummy \
+		--prompt "Hello, my name is" --max-tokens 32
+
+test: setup
+	$(BIN)/ruff check decodegraph tests benchmarks
+	$(BIN)/python -m pytest -q -rs tests

@@ -1,0 +1,207 @@
+"""One `EngineConfig` of sub-configs, validated once at construction.
+
+Every bad value raises `ValueError` naming the field. Names follow vLLM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from decodegraph.graphs.modes import CUDAGraphMode
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(value: str | torch.dtype, config_dtype: Any = None) -> torch.dtype:
+    """Resolve `dtype` ("auto" reads the checkpoint's `torch_dtype`/`dtype`)."""
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"dtype: {value} is not supported (float32, bfloat16, float16)")
+        return value
+    if value == "auto":
+        if isinstance(config_dtype, torch.dtype):
+            return config_dtype if config_dtype in _DTYPES.values() else torch.float32
+        if isinstance(config_dtype, str) and config_dtype in _DTYPES:
+            return _DTYPES[config_dtype]
+        return torch.float32
+    if value not in _DTYPES:
+        raise ValueError(f"dtype: {value!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[value]
+
+
+def _positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to read it."""
+
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    revision: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None  # defaults to the checkpoint's context length
+    seed: int = 0
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model: a local directory, a hub id or preset:NAME is required")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(
+                f"load_format: {self.load_format!r} is not one of auto, safetensors, dummy"
+            )
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size, memory budget and prefix caching."""
+
+    block_size: int = 16
+    # Bytes for the KV cache; None means: derive from gpu_memory_utilization on
+    # GPU, or a fixed share of free host memory on CPU (see platforms).
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        _positive("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len)
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size: only 1 is supported in this release "
+                f"(got {self.tensor_parallel_size})"
+            )
+
+
+@dataclass
+class CompilationConfig:
+    """Graph capture settings, spelled as vLLM's `compilation_config`."""
+
+    # None: the platform default (see README, "Graph modes").
+    cudagraph_mode: CUDAGraphMode | str | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    cudagraph_num_of_warmups: int = 1
+    # CPU graphs: compile the traced graph with Inductor (False: replay the trace as is).
+    use_inductor: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode is not None:
+            self.cudagraph_mode = CUDAGraphMode.parse(self.cudagraph_mode)
+        if self.cudagraph_capture_sizes is not None:
+            sizes = self.cudagraph_capture_sizes
+            if not isinstance(sizes, (list, tuple)) or not sizes:
+                raise ValueError(
+                    "compilation_config.cudagraph_capture_sizes: must be a non-empty list"
+                )
+            for s in sizes:
+                _positive("compilation_config.cudagraph_capture_sizes[]", s)
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+        _positive(
+            "compilation_config.max_cudagraph_capture_size",
+            self.max_cudagraph_capture_size,
+            allow_none=True,
+        )
+        if not isinstance(self.cudagraph_num_of_warmups, int) or self.cudagraph_num_of_warmups < 0:
+            raise ValueError("compilation_config.cudagraph_num_of_warmups: must be >= 0")
+
+    @classmethod
+    def from_any(cls, value: CompilationConfig | dict | str | None) -> CompilationConfig:
+        """Accept a `CompilationConfig`, a dict, a JSON string, or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"compilation_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"compilation_config: expected a dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"compilation_config: unknown field(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"  # auto, cpu, cuda
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but no CUDA device is available")
+
+
+@dataclass
+class EngineConfig:
+    """The one aggregate that flows into every component."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    enforce_eager: bool = False

@@ -1,0 +1,119 @@
+"""Graph modes and attention graph-support levels, and how a mode is resolved.
+
+The attention backend never decides the mode: it declares an `AttentionCGSupport`
+level and `resolve_cudagraph_mode` turns the user's wish into what this platform and
+these backends can do, logging every downgrade once with its reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class CUDAGraphMode(enum.Enum):
+    """User-facing graph mode, spelled as in vLLM.
+
+    The value is a pair: the runtime mode for uniform decode batches, and the
+    runtime mode for mixed batches (prefills, chunked prefills, mixtures).
+    """
+
+    NONE = ("NONE", "NONE")
+    PIECEWISE = ("PIECEWISE", "PIECEWISE")
+    FULL = ("FULL", "FULL")
+    FULL_DECODE_ONLY = ("FULL", "NONE")
+    FULL_AND_PIECEWISE = ("FULL", "PIECEWISE")
+
+    @classmethod
+    def parse(cls, value: str | CUDAGraphMode) -> CUDAGraphMode:
+        """Parse a case-insensitive mode name; a bad name lists the valid ones."""
+        if isinstance(value, CUDAGraphMode):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        valid = ", ".join(cls.__members__)
+        raise ValueError(f"compilation_config.cudagraph_mode: {value!r} is not one of {valid}")
+
+    def decode_mode(self) -> RuntimeMode:
+        return RuntimeMode[self.value[0]]
+
+    def mixed_mode(self) -> RuntimeMode:
+        return RuntimeMode[self.value[1]]
+
+    def has_full_graphs(self) -> bool:
+        return RuntimeMode.FULL in (self.decode_mode(), self.mixed_mode())
+
+    def has_piecewise_graphs(self) -> bool:
+        return RuntimeMode.PIECEWISE in (self.decode_mode(), self.mixed_mode())
+
+
+class RuntimeMode(enum.Enum):
+    """What actually runs for one step."""
+
+    NONE = "NONE"
+    PIECEWISE = "PIECEWISE"
+    FULL = "FULL"
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of a full graph an attention backend can live inside (more is better)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+def resolve_cudagraph_mode(
+    requested: CUDAGraphMode,
+    supports: list[AttentionCGSupport],
+    platform_supports_graphs: bool,
+    piecewise_available: bool = True,
+) -> CUDAGraphMode:
+    """Turn the requested mode into one this platform and these backends can run.
+
+    `supports` holds one level per attention group; the weakest group wins.
+    """
+    if requested is CUDAGraphMode.NONE:
+        return requested
+    if not platform_supports_graphs:
+        logger.warning(
+            "cudagraph_mode %s -> NONE: this platform cannot capture graphs", requested.name
+        )
+        return CUDAGraphMode.NONE
+    mode = requested
+    if mode.has_piecewise_graphs() and not piecewise_available:
+        fallback = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_graphs() else CUDAGraphMode.NONE
+        logger.warning(
+            "cudagraph_mode %s -> %s: piecewise graphs are unavailable for this model",
+            mode.name,
+            fallback.name,
+        )
+        mode = fallback
+    if not mode.has_full_graphs():
+        return mode
+    level = min(supports, default=AttentionCGSupport.ALWAYS)
+    if level is AttentionCGSupport.NEVER:
+        fallback = CUDAGraphMode.PIECEWISE if piecewise_available else CUDAGraphMode.NONE
+        logger.warning(
+            "cudagraph_mode %s -> %s: an attention backend supports no full graphs (NEVER)",
+            mode.name,
+            fallback.name,
+        )
+        return fallback
+    if mode is CUDAGraphMode.FULL and level < AttentionCGSupport.ALWAYS:
+        fallback = (
+            CUDAGraphMode.FULL_AND_PIECEWISE
+            if piecewise_available
+            else CUDAGraphMode.FULL_DECODE_ONLY
+        )
+        logger.warning(
+            "cudagraph_mode FULL -> %s: attention support is %s, so mixed batches cannot "
+            "run in a full graph",
+            fallback.name,
+            level.name,
+        )
+        return fallback
+    return mode

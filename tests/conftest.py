@@ -1,0 +1,22 @@
+"""Shared fixtures: the real stories260K model from ../shared, when it is there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+
+# Greedy output from the BOS token alone, as published with the model.
+STORIES_GREEDY_TEXT = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in "
+    "the park. One day, she saw a big, red ball. She wanted to play with it, but it was too high."
+)
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    if not (STORIES_DIR / "config.json").is_file():
+        pytest.skip(f"stories260K is absent (looked in {STORIES_DIR})")
+    return STORIES_DIR
