@@ -1,0 +1,290 @@
+"""Continuous batching: which requests run in a step and how many tokens each computes.
+
+There is no prefill phase nor decode phase here. Each request has its tokens (prompt,
+then outputs) and how many of them are computed; a step gives each scheduled request
+some of the rest, within a token budget (`max_num_batched_tokens`) and a request
+budget (`max_num_seqs`). A decoding request needs one token, a new one its whole
+prompt (or a chunk of it with chunked prefill), a preempted one everything it had
+(prompt and outputs so far, recomputed; it samples again only once it has caught up,
+so its output does not change).
+
+Order: running requests first, in arrival order, then waiting ones first come, first
+served. When a running request needs a block and none is free, the running request
+that arrived last is preempted (its blocks are freed and it goes to the front of the
+waiting queue) until the allocation fits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from decodegraph.config import CacheConfig, SchedulerConfig
+from decodegraph.core.kv_cache_manager import KVCacheManager
+from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from decodegraph.engine.request import EngineCoreOutput, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """vLLM v1-style scheduler over a paged KV cache with prefix caching.
+
+    One step is `schedule()`, the model runner, then `update_from_output()`; a second
+    `schedule()` before the update is not supported.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens or max(
+            2048, max_model_len
+        )
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        if not self.enable_chunked_prefill and self.max_num_scheduled_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) is smaller than "
+                f"max_model_len ({max_model_len}): without chunked prefill a long prompt "
+                "could never be scheduled; raise it or enable chunked prefill"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        # A request that outgrew the whole cache would preempt itself forever, so cap
+        # the length at what the cache holds when that is below max_model_len.
+        capacity = (num_blocks - 1) * self.block_size
+        if capacity < max_model_len:
+            logger.warning(
+                "KV cache holds %d tokens, less than max_model_len %d: requests are "
+                "length-capped at %d tokens",
+                capacity,
+                max_model_len,
+                capacity,
+            )
+        self.max_request_len = min(max_model_len, capacity)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(); handed to the runner then.
+        self.finished_req_ids: set[str] = set()
+
+    # -- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING) behind the ones already waiting."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if request.num_tokens > self.max_request_len:
+            raise ValueError(
+                f"request {request.request_id!r}: {request.num_tokens} prompt tokens exceed "
+                f"the maximum length {self.max_request_len}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish waiting or running requests from outside (abort, stop string).
+
+        Frees their blocks. Unknown or already finished ids are ignored.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests: {status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Number of waiting plus running requests."""
+        return len(self.running) + len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks (scheduled in the last step or about to be)."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, new or preempted."""
+        return len(self.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of usable KV blocks in use, in [0, 1]."""
+        return self.kv_cache_manager.usage
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts and allocate their blocks."""
+        kv = self.kv_cache_manager
+        token_budget = self.max_num_scheduled_tokens
+        scheduled: list[Request] = []
+        num_scheduled: list[int] = []
+        block_ids: list[list[int]] = []
+        preempted: set[str] = set()
+
+        # Running requests, highest priority (earliest arrival) first.
+        running = self.running
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            while kv.allocate_slots(request, num_new) is None:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                num_scheduled.append(num_new)
+                block_ids.append(list(kv.get_block_ids(request.request_id)))
+                token_budget -= num_new
+                req_index += 1
+                continue
+            break  # the request preempted itself: it was the tail, nothing is left
+
+        # Waiting requests, first come first served; none in a step that had to preempt
+        # (the cache is full, and a preempted request would be readmitted at once).
+        waiting = self.waiting
+        while waiting and token_budget > 0 and not preempted and len(running) < self.max_num_seqs:
+            request = waiting[0]
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_computed
+            if num_new > token_budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = token_budget
+            if kv.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            waiting.popleft()
+            request.num_computed_tokens = num_computed
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            running.append(request)
+            scheduled.append(request)
+            num_scheduled.append(num_new)
+            block_ids.append(list(kv.get_block_ids(request.request_id)))
+            token_budget -= num_new
+
+        finished = self.finished_req_ids
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
+            block_ids=block_ids,
+            preempted_request_ids=preempted,
+            finished_request_ids=finished,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop its K/V; it restarts from token 0 later."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, apply stop rules.
+
+        Returns one `EngineCoreOutput` per request that got a token or finished.
+        Requests finished from outside since `schedule()` are skipped.
+        """
+        kv = self.kv_cache_manager
+        sampled_token_ids = model_output.sampled_token_ids
+        logprobs = model_output.logprobs
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        now: float | None = None
+        for i, request in enumerate(scheduler_output.scheduled_requests):
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted (or stop string) after schedule(): already freed
+            request.num_computed_tokens += num_scheduled[i]
+            token_id = sampled_token_ids[i]
+            if token_id is None:
+                kv.cache_full_blocks(request)
+                continue
+            request.append_output_token(token_id)
+            if now is None:
+                now = time.monotonic()
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.last_token_time = now
+            kv.cache_full_blocks(request)
+            if self._check_stop(request, token_id):
+                stopped.append(request)
+            req_logprobs = logprobs[i] if logprobs is not None else None
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[req_logprobs] if req_logprobs is not None else None,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        if stopped:
+            stopped_set = set(stopped)
+            self.running = [r for r in self.running if r not in stopped_set]
+            for request in stopped:
+                self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Apply the stop rules for a just-appended token; sets status and stop_reason."""
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            stop_token_ids = params.stop_token_ids
+            if stop_token_ids and token_id in stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and num_output >= max_tokens) or (
+            request.num_tokens >= self.max_request_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
