@@ -1,0 +1,389 @@
+"""Scheduler: continuous batching, budgets, chunked prefill, preemption, stops, no leaks.
+
+Steps are driven by `KVModel`, a deterministic stand-in for the model runner: it writes
+each computed token into a simulated paged KV cache through the step's block tables and
+samples a token that is a function of the context read back through those tables. So a
+wrong block table, a bad prefix-cache hit or a lost token after preemption changes the
+output, and tests compare outputs against runs without that feature.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from decodegraph.config import CacheConfig, SchedulerConfig
+from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from decodegraph.core.scheduler import Scheduler
+from decodegraph.engine.request import EngineCoreOutput, Request, RequestStatus
+from decodegraph.outputs import Logprob
+from decodegraph.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+class KVModel:
+    """Test driver: a fake model over a simulated paged KV cache (token ids as K/V)."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        bs = self.block_size
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens)
+        sampled: list[int | None] = []
+        for req, n, table in zip(
+            so.scheduled_requests, so.num_scheduled_tokens, so.block_ids, strict=True
+        ):
+            start, end = req.num_computed_tokens, req.num_computed_tokens + n
+            assert 0 < n and end <= req.num_tokens
+            assert len(table) * bs >= end and 0 not in table
+            for pos in range(start, end):
+                self.kv[table[pos // bs]][pos % bs] = req.all_token_ids[pos]
+            if end < req.num_tokens:
+                sampled.append(None)
+                continue
+            context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
+            assert None not in context
+            sampled.append((sum(context) * 31 + len(context)) % 500 + 10)  # type: ignore[arg-type]
+        return ModelRunnerOutput([r.request_id for r in so.scheduled_requests], sampled)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    max_model_len: int = 128,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int | None = None,
+    chunked: bool = True,
+    prefix_caching: bool = True,
+) -> tuple[Scheduler, KVModel]:
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
+        CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+    )
+    return sched, KVModel(num_blocks)
+
+
+def make_request(req_id: str, prompt: list[int], eos: int | None = None, **params) -> Request:
+    params.setdefault("max_tokens", 8)
+    return Request(req_id, list(prompt), SamplingParams(**params), eos_token_id=eos)
+
+
+def step(sched: Scheduler, model: KVModel) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    so = sched.schedule()
+    return so, sched.update_from_output(so, model.execute(so))
+
+
+def run_to_completion(sched: Scheduler, model: KVModel, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        step(sched, model)
+    raise AssertionError("requests did not finish")
+
+
+def assert_all_blocks_free(sched: Scheduler) -> None:
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_blocks - 1
+    assert sched.kv_cache_usage == 0.0 and not kv.req_to_blocks
+
+
+def reference_outputs(prompts: dict[str, list[int]], **params) -> dict[str, list[int]]:
+    """Outputs with a roomy cache, no chunking pressure and no prefix caching."""
+    sched, model = make_scheduler(num_blocks=256, prefix_caching=False)
+    reqs = [make_request(rid, p, **params) for rid, p in prompts.items()]
+    for r in reqs:
+        sched.add_request(r)
+    run_to_completion(sched, model)
+    return {r.request_id: r.output_token_ids for r in reqs}
+
+
+PROMPTS = {f"r{i}": [(7 * i + j) % 50 + 1 for j in range(5 + 3 * i)] for i in range(4)}
+
+
+def test_schedule_does_not_advance_computed_tokens_update_does() -> None:
+    sched, model = make_scheduler()
+    req = make_request("a", [1, 2, 3, 4, 5])
+    sched.add_request(req)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == [5] and req.num_computed_tokens == 0
+    assert req.status == RequestStatus.RUNNING and req.first_scheduled_time is not None
+    outs = sched.update_from_output(so, model.execute(so))
+    assert req.num_computed_tokens == 5 and req.num_output_tokens == 1
+    assert [(o.request_id, len(o.new_token_ids), o.finish_reason) for o in outs] == [("a", 1, None)]
+
+
+def test_continuous_batching_admits_new_requests_while_others_decode() -> None:
+    sched, model = make_scheduler()
+    a = make_request("a", PROMPTS["r1"])
+    sched.add_request(a)
+    step(sched, model)
+    step(sched, model)
+    b = make_request("b", PROMPTS["r2"])
+    sched.add_request(b)
+    so, outs = step(sched, model)
+    # Running first (a decodes one token), then the new one with its whole prompt.
+    assert so.scheduled_requests == [a, b]
+    assert so.num_scheduled_tokens == [1, b.num_prompt_tokens]
+    assert {o.request_id for o in outs} == {"a", "b"}
+    run_to_completion(sched, model)
+    ref = reference_outputs({"a": PROMPTS["r1"], "b": PROMPTS["r2"]})
+    assert a.output_token_ids == ref["a"] and b.output_token_ids == ref["b"]
+
+
+def test_token_budget_is_respected_and_splits_the_last_admitted_prompt() -> None:
+    sched, model = make_scheduler(max_num_batched_tokens=10)
+    reqs = [make_request(str(i), [i + 1] * 6) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    so, _ = step(sched, model)
+    assert so.scheduled_requests == reqs[:2] and so.num_scheduled_tokens == [6, 4]
+    assert so.total_num_scheduled_tokens == 10
+    so, _ = step(sched, model)
+    # r0 decodes, r1 finishes its prompt, r2 gets what is left of the budget.
+    assert so.num_scheduled_tokens == [1, 2, 6] and so.scheduled_requests == reqs
+    run_to_completion(sched, model)
+    assert all(r.num_output_tokens == 8 for r in reqs)
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    sched, model = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(str(i), [i + 1] * 3, max_tokens=3) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    so, _ = step(sched, model)
+    assert so.scheduled_requests == reqs[:2] and sched.num_waiting == 1
+    step(sched, model)
+    so, _ = step(sched, model)  # r0 and r1 finish here
+    assert sched.num_running == 0
+    so, _ = step(sched, model)
+    assert so.scheduled_requests == [reqs[2]]
+    assert so.finished_request_ids == {"0", "1"}
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_only_on_the_last_chunk() -> None:
+    sched, model = make_scheduler(max_num_batched_tokens=8)
+    prompt = [(3 * j) % 40 + 1 for j in range(25)]
+    req = make_request("long", prompt, max_tokens=3)
+    sched.add_request(req)
+    chunks = []
+    for _ in range(4):
+        so, outs = step(sched, model)
+        chunks.append(so.num_scheduled_tokens[0])
+        assert (outs != []) == (req.num_computed_tokens == 25)
+    assert chunks == [8, 8, 8, 1] and req.num_output_tokens == 1
+    run_to_completion(sched, model)
+    assert req.output_token_ids == reference_outputs({"long": prompt}, max_tokens=3)["long"]
+
+
+def test_without_chunked_prefill_waiting_requests_are_admitted_whole_and_fcfs() -> None:
+    sched, model = make_scheduler(max_num_batched_tokens=128, chunked=False)
+    big = make_request("big", [1] * 100)
+    small = make_request("small", [2] * 30)
+    tiny = make_request("tiny", [3] * 2)
+    for r in (big, small, tiny):
+        sched.add_request(r)
+    so, _ = step(sched, model)
+    # small does not fit the 28 tokens left; tiny would, but it must not jump the queue.
+    assert so.scheduled_requests == [big] and so.num_scheduled_tokens == [100]
+    so, _ = step(sched, model)
+    assert so.scheduled_requests == [big, small, tiny]
+    assert so.num_scheduled_tokens == [1, 30, 2]
+
+
+def test_chunking_disabled_needs_a_budget_of_max_model_len() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(max_num_batched_tokens=64, max_model_len=128, chunked=False)
+
+
+def test_preemption_under_a_tiny_block_budget_recomputes_the_latest_arrival() -> None:
+    # 8 usable blocks of 4 tokens; each request needs up to (6 + 10) / 4 = 4 blocks
+    # but holds fewer while it runs, so three of them start and then collide.
+    sched, model = make_scheduler(num_blocks=9)
+    prompts = {rid: [k + 1] * 6 for k, rid in enumerate("abc")}
+    reqs = [make_request(rid, p, max_tokens=10) for rid, p in prompts.items()]
+    for r in reqs:
+        sched.add_request(r)
+    victims: list[str] = []
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        so, _ = step(sched, model)
+        for rid in so.preempted_request_ids:
+            victim = next(r for r in reqs if r.request_id == rid)
+            assert victim.status == RequestStatus.PREEMPTED
+            assert victim.num_computed_tokens == 0 and sched.waiting[0] is victim
+            assert rid not in {r.request_id for r in so.scheduled_requests}
+            victims.append(rid)
+    assert victims and victims[0] == "c"  # the last to arrive goes first
+    assert sum(r.num_preemptions for r in reqs) == len(victims)
+    ref = reference_outputs(prompts, max_tokens=10)
+    for r in reqs:
+        assert r.output_token_ids == ref[r.request_id]
+        assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert_all_blocks_free(sched)
+
+
+def test_preempted_request_goes_to_the_front_of_waiting_before_new_ones() -> None:
+    # 4 usable blocks, two running requests of 4 prompt tokens, a third one queued by
+    # max_num_seqs. At 9 tokens each needs its third block: a preempts b.
+    sched, model = make_scheduler(num_blocks=5, max_num_seqs=2)
+    a, b, c = (make_request(rid, [k + 1] * 4, max_tokens=8) for k, rid in enumerate("abc"))
+    for r in (a, b, c):
+        sched.add_request(r)
+    preempted: set[str] = set()
+    while not preempted:
+        so, _ = step(sched, model)
+        preempted = so.preempted_request_ids
+    assert preempted == {"b"} and list(sched.waiting) == [b, c]
+    assert so.scheduled_requests == [a] and b.num_preemptions == 1
+    run_to_completion(sched, model)
+    assert [r.num_output_tokens for r in (a, b, c)] == [8, 8, 8]
+    assert_all_blocks_free(sched)
+
+
+def test_request_that_outgrows_the_cache_is_length_capped_instead_of_livelocking() -> None:
+    sched, model = make_scheduler(num_blocks=3, max_model_len=128)  # 8 token slots
+    req = make_request("a", [1, 2, 3], max_tokens=100)
+    sched.add_request(req)
+    run_to_completion(sched, model)
+    assert req.num_tokens == 8 and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    with pytest.raises(ValueError, match="exceed"):
+        sched.add_request(make_request("b", [1] * 9))
+
+
+def test_prefix_cache_hit_skips_computed_blocks_and_keeps_output() -> None:
+    sched, model = make_scheduler()
+    shared = [(5 * j) % 30 + 1 for j in range(12)]
+    a = make_request("a", shared + [40, 41])
+    sched.add_request(a)
+    run_to_completion(sched, model)
+    b = make_request("b", shared + [42])
+    sched.add_request(b)
+    so, _ = step(sched, model)
+    assert b.num_cached_tokens == 12 and so.num_scheduled_tokens == [1]
+    assert sched.kv_cache_manager.prefix_cache_hits == 12
+    run_to_completion(sched, model)
+    assert b.output_token_ids == reference_outputs({"b": shared + [42]})["b"]
+    assert_all_blocks_free(sched)
+
+
+def test_abort_of_waiting_and_running_requests_frees_their_blocks() -> None:
+    sched, model = make_scheduler(max_num_seqs=1)
+    running = make_request("run", [1] * 9)
+    waiting = make_request("wait", [2] * 3)
+    sched.add_request(running)
+    sched.add_request(waiting)
+    step(sched, model)
+    assert sched.num_running == 1 and sched.num_waiting == 1 and sched.kv_cache_usage > 0
+    sched.finish_requests(["run", "wait", "unknown"], RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests("run", RequestStatus.FINISHED_STOPPED)  # already finished: ignored
+    assert running.status == waiting.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished_requests() and sched.get_num_unfinished_requests() == 0
+    assert_all_blocks_free(sched)
+    so = sched.schedule()
+    assert so.scheduled_requests == [] and so.finished_request_ids == {"run", "wait"}
+
+
+def test_request_aborted_between_schedule_and_update_is_skipped() -> None:
+    sched, model = make_scheduler()
+    a, b = make_request("a", [1, 2]), make_request("b", [3, 4])
+    sched.add_request(a)
+    sched.add_request(b)
+    so = sched.schedule()
+    mo = model.execute(so)
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    outs = sched.update_from_output(so, mo)
+    assert [o.request_id for o in outs] == ["b"] and a.num_output_tokens == 0
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert_all_blocks_free(sched)
+
+
+def _stop_run(prompt: list[int], eos: int | None = None, **params) -> Request:
+    sched, model = make_scheduler()
+    req = make_request("s", prompt, eos=eos, **params)
+    sched.add_request(req)
+    run_to_completion(sched, model)
+    assert_all_blocks_free(sched)
+    return req
+
+
+STOP_PROMPT = [3, 1, 4, 1, 5]
+REF = reference_outputs({"s": STOP_PROMPT}, max_tokens=12)["s"]
+# An output token that first appears at index 3 (so it cannot stop the run earlier).
+STOP_AT = next(i for i in range(3, 12) if REF[i] not in REF[:i])
+
+
+def test_eos_stops_with_finish_reason_stop_and_no_stop_reason() -> None:
+    req = _stop_run(STOP_PROMPT, eos=REF[STOP_AT], max_tokens=12)
+    assert req.output_token_ids == REF[: STOP_AT + 1]
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    req = _stop_run(STOP_PROMPT, eos=REF[STOP_AT], max_tokens=12, ignore_eos=True)
+    assert req.output_token_ids == REF and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_stop_token_id_stops_and_is_the_stop_reason() -> None:
+    req = _stop_run(STOP_PROMPT, max_tokens=12, stop_token_ids=[REF[STOP_AT]])
+    assert req.output_token_ids == REF[: STOP_AT + 1]
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == REF[STOP_AT]
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens_until_reached() -> None:
+    req = _stop_run(
+        STOP_PROMPT,
+        eos=REF[STOP_AT],
+        max_tokens=12,
+        min_tokens=STOP_AT + 2,
+        stop_token_ids=[REF[STOP_AT]],
+    )
+    assert req.num_output_tokens > STOP_AT + 1
+    assert req.output_token_ids == REF[: req.num_output_tokens]
+
+
+def test_max_tokens_caps_with_finish_reason_length() -> None:
+    sched, model = make_scheduler()
+    req = make_request("s", STOP_PROMPT, max_tokens=4)
+    sched.add_request(req)
+    finish = []
+    while sched.has_unfinished_requests():
+        finish += [o.finish_reason for o in step(sched, model)[1]]
+    assert finish == [None, None, None, "length"] and req.output_token_ids == REF[:4]
+
+
+def test_max_model_len_caps_prompt_plus_output() -> None:
+    sched, model = make_scheduler(max_model_len=8)
+    req = make_request("s", STOP_PROMPT, max_tokens=None)
+    sched.add_request(req)
+    run_to_completion(sched, model)
+    assert req.num_tokens == 8 and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_logprobs_are_passed_through_per_request() -> None:
+    sched, model = make_scheduler()
+    sched.add_request(make_request("a", [1, 2]))
+    sched.add_request(make_request("b", [3, 4]))
+    so = sched.schedule()
+    mo = model.execute(so)
+    lp = {mo.sampled_token_ids[0]: Logprob(-0.5, rank=1)}
+    mo.logprobs = [lp, None]
+    outs = sched.update_from_output(so, mo)
+    assert outs[0].new_logprobs == [lp] and outs[1].new_logprobs is None
+
+
+def test_every_block_is_free_after_a_mixed_workload() -> None:
+    sched, model = make_scheduler(num_blocks=12, max_num_batched_tokens=16)
+    reqs = [make_request(rid, p, max_tokens=6 + i) for i, (rid, p) in enumerate(PROMPTS.items())]
+    reqs.append(make_request("dup", PROMPTS["r3"], max_tokens=5))
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(3):
+        step(sched, model)
+    sched.finish_requests("r2", RequestStatus.FINISHED_ABORTED)
+    run_to_completion(sched, model)
+    assert all(r.is_finished for r in reqs)
+    assert_all_blocks_free(sched)
