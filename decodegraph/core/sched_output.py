@@ -16,7 +16,9 @@ class SchedulerOutput:
 
     `schedule()` does not advance `request.num_computed_tokens`: the runner computes
     tokens `all_token_ids[num_computed_tokens : num_computed_tokens + n]` of each
-    request, and a request samples iff `num_computed_tokens + n == num_tokens`.
+    request, and a request samples iff `num_computed_tokens + n == num_tokens`. (On
+    admission `schedule()` does set it to the prefix-cache hit, or to 0 on preemption:
+    those tokens are in the cache, or no longer are, before the step runs.)
     """
 
     # Batch order: running requests first (in running order), then newly scheduled ones.

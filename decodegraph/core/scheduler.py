@@ -160,20 +160,13 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            while kv.allocate_slots(request, num_new) is None:
-                victim = running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(request)
-                num_scheduled.append(num_new)
-                block_ids.append(list(kv.get_block_ids(request.request_id)))
-                token_budget -= num_new
-                req_index += 1
-                continue
-            break  # the request preempted itself: it was the tail, nothing is left
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # the request preempted itself: it was the tail, nothing is left
+            scheduled.append(request)
+            num_scheduled.append(num_new)
+            block_ids.append(list(kv.get_block_ids(request.request_id)))
+            token_budget -= num_new
+            req_index += 1
 
         # Waiting requests, first come first served; none in a step that had to preempt
         # (the cache is full, and a preempted request would be readmitted at once).
@@ -210,6 +203,18 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=finished,
         )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> bool:
+        """Allocate for a running request, preempting from the tail of `running` until
+        it fits. Victims come after `request` (the tail is scheduled last), so nothing
+        already scheduled this step is lost. False if `request` itself was preempted."""
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.add(victim.request_id)
+            if victim is request:
+                return False
+        return True
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its K/V; it restarts from token 0 later."""
