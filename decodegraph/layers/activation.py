@@ -1,0 +1,27 @@
+"""Gated activations for fused gate/up projections."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """`silu(x[..., :d]) * x[..., d:]` for the output of a stacked gate_up projection."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+_ACTIVATIONS = {"silu": SiluAndMul}
+
+
+def get_act_and_mul_fn(hidden_act: str) -> nn.Module:
+    """The gated activation for a config's `hidden_act` (only silu is supported)."""
+    if hidden_act not in _ACTIVATIONS:
+        raise NotImplementedError(
+            f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
+        )
+    return _ACTIVATIONS[hidden_act]()

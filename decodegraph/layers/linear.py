@@ -1,0 +1,89 @@
+"""Linear layers whose weights are written by the loader, with vLLM's names.
+
+Tensor parallel size is 1 in this release, so every layer holds the full matrix;
+the classes mark where column/row splitting goes when it comes (DESIGN §8). Weights
+are allocated with `torch.empty` (no random init: the loader writes every one), and
+stacked layers (q/k/v, gate/up) expose a `weight_loader(param, loaded_weight, shard_id)`
+that copies one Hugging Face tensor into its rows of the stacked parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into `param` (dtype and device converted)."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+class ReplicatedLinear(nn.Module):
+    """`y = x W^T (+ b)` with an uninitialised weight of shape [output_size, input_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """Output projection (o_proj, down_proj); split by rows under tensor parallelism."""
+
+
+class MergedColumnParallelLinear(ReplicatedLinear):
+    """Several projections of the same input stacked by rows (gate_proj + up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        """(offset, size) of shard `shard_id` in the stacked rows."""
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str
+    ) -> None:
+        """Copy one shard's checkpoint tensor (weight or bias) into its rows of `param`."""
+        offset, size = self.shard_range(shard_id)  # type: ignore[arg-type]
+        target = param.data.narrow(0, offset, size)
+        if target.shape != loaded_weight.shape:
+            raise ValueError(
+                f"shape mismatch for shard {shard_id!r}: expected {tuple(target.shape)}, "
+                f"checkpoint has {tuple(loaded_weight.shape)}"
+            )
+        target.copy_(loaded_weight)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections stacked by rows: [Hq*D + Hkv*D + Hkv*D, hidden]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        self.q_size = total_num_heads * head_size
+        self.kv_size = total_num_kv_heads * head_size
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+
+    def shard_range(self, shard_id: int | str) -> tuple[int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
+        return super().shard_range(index)

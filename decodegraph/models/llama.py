@@ -1,0 +1,264 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm).
+
+vLLM's model interface: `forward(input_ids [T], positions [T]) -> hidden [T, H]` over a
+flattened batch with no batch dimension, `compute_logits`, and `load_weights` taking
+Hugging Face names. q/k/v and gate/up are stacked into one projection each at load time,
+and the rotary cos/sin rows are gathered once per forward and shared by every layer,
+to keep the op count per layer low (at batch 1 every op is framework overhead).
+Nothing here synchronises with the host or branches on tensor values (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from decodegraph.attention.layer import Attention
+from decodegraph.layers.activation import get_act_and_mul_fn
+from decodegraph.layers.layernorm import RMSNorm
+from decodegraph.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from decodegraph.layers.rotary_embedding import apply_rotary_emb, get_rope, get_rope_parameters
+from decodegraph.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What differs between the family members' attention blocks."""
+
+    qkv_bias: bool  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 via attention_bias)
+    o_bias: bool  # bias on the output projection
+    qk_norm: bool  # RMSNorm over each head of q and k before rope (Qwen3)
+
+
+def get_head_dim(config: PretrainedConfig) -> int:
+    """`head_dim` from the config, or hidden_size / num_attention_heads when absent."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_sliding_window(config: PretrainedConfig) -> None:
+    """Sliding-window attention is not implemented: refuse configs where it would matter."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    applies = layer_types is None or "sliding_attention" in layer_types
+    if window is not None and applies and window < config.max_position_embeddings:
+        raise NotImplementedError(
+            f"sliding_window={window} (< max_position_embeddings="
+            f"{config.max_position_embeddings}) is not supported: sliding-window attention "
+            "is not implemented in decodegraph"
+        )
+
+
+class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up stacked into one projection."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
+        self.act_fn = get_act_and_mul_fn(config.hidden_act)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: stacked qkv projection, (q/k norm,) rope, paged `Attention`, o_proj."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = get_head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, options.o_bias)
+        self.qk_norm = options.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        t = qkv.shape[0]
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:]
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, self.head_dim))
+            q = apply_rotary_emb(q, cos, sin).view(t, self.q_size)
+            k = apply_rotary_emb(k, cos, sin).view(t, self.kv_size)
+        else:
+            # q and k are adjacent in the stacked output: rotate both heads in one pass.
+            qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary_emb(qk, cos, sin)
+            q = qk[:, : self.num_heads].reshape(t, self.q_size)  # views, no copy
+            k = qk[:, self.num_heads :].reshape(t, self.kv_size)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer; the residual stream is carried through fused-add norms."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, options, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; returns normed hidden states."""
+
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, options, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            get_head_dim(config), config.max_position_embeddings, get_rope_parameters(config)
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.get_cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+# HF checkpoint name fragment -> (our stacked parameter fragment, shard id).
+_STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with an LM head (tied to the embedding when `tie_word_embeddings`)."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        check_sliding_window(hf_config)
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, self.attention_options(hf_config))
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        """The attention variant of this architecture for `config`."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] for flattened token ids [T] at `positions` [T]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for hidden states [N, hidden]."""
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into the parameters; returns the names of the
+        parameters fully loaded (a stacked one only once all its shards arrived)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[int | str]] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints saved the rope buffer; ours is computed
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints store the copy anyway
+            parts = name.split(".")
+            stacked = next((p for p in parts if p in _STACKED_PARAMS), None)
+            target = name
+            if stacked is not None:
+                fragment, shard_id = _STACKED_PARAMS[stacked]
+                target = ".".join(fragment if p == stacked else p for p in parts)
+            if target not in params:
+                raise ValueError(
+                    f"unexpected weight {name!r} in the checkpoint: "
+                    f"{type(self).__name__} has no parameter {target!r}"
+                )
+            try:
+                if stacked is None:
+                    default_weight_loader(params[target], tensor)
+                    loaded.add(target)
+                else:
+                    module = self.get_submodule(target.rsplit(".", 1)[0])
+                    module.weight_loader(params[target], tensor, shard_id)
+                    shards_seen.setdefault(target, set()).add(shard_id)
+            except ValueError as e:
+                raise ValueError(f"weight {name!r}: {e}") from None
+        for target, seen in shards_seen.items():
+            if len(seen) == _NUM_SHARDS[target.split(".")[-2]]:
+                loaded.add(target)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama architecture (sliding window refused when it would apply)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with bias on the q/k/v projections (not on o_proj)."""
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True, o_bias=False, qk_norm=False)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with RMSNorm over each head of q and k, and an explicit head_dim."""
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -1,0 +1,170 @@
+"""Find a checkpoint, read its config, build the model on its device and load weights.
+
+Sources: a local directory (`config.json` plus one or several `*.safetensors`, the
+latter listed by `model.safetensors.index.json`), a Hugging Face hub id (downloaded
+with `huggingface_hub`), or `preset:NAME` (config in code, random weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from decodegraph.config import ModelConfig
+from decodegraph.models.presets import get_preset_config, is_preset
+from decodegraph.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path | None:
+    """The local directory of `model`: itself when it is a directory, a hub snapshot
+    otherwise; None for `preset:NAME` (no files). Raises ValueError with the reason and
+    what to do when the hub cannot be reached or has no such model."""
+    if is_preset(model):
+        return None
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS))
+    except HFValidationError as e:
+        raise ValueError(
+            f"model: {model!r} is neither a local directory nor a valid Hugging Face hub id ({e})"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - hub errors have many types; all mean "not fetched"
+        raise ValueError(
+            f"model: {model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(e).__name__}: {e}). If this machine is offline "
+            "(HF_HUB_OFFLINE=1 or no network), download it elsewhere and pass its local "
+            "directory, or use a preset such as 'preset:llama-tiny'."
+        ) from e
+
+
+def load_hf_config(model_config: ModelConfig, path: Path | None = None) -> PretrainedConfig:
+    """The Hugging Face config of the model (built in code for presets)."""
+    if is_preset(model_config.model):
+        return get_preset_config(model_config.model)
+    if path is None:
+        path = resolve_model_path(model_config.model, model_config.revision)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: could not read config.json in {path}: {e}") from e
+
+
+def get_config_dtype(hf_config: PretrainedConfig) -> torch.dtype | str | None:
+    """The checkpoint's dtype (`dtype`, or `torch_dtype` in older configs), for
+    `parse_dtype("auto", ...)`."""
+    return getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def get_model(
+    model_config: ModelConfig,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    path: Path | None = None,
+) -> nn.Module:
+    """Build the model for `hf_config` on `device` in `dtype` and load its weights.
+
+    Parameters are allocated uninitialised directly on the device in the target dtype
+    (no random init, no copy), then written from safetensors or, for
+    `load_format="dummy"` and presets, filled with random values.
+    """
+    model_cls = get_model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config)
+    model.eval()
+    dummy = model_config.load_format == "dummy" or is_preset(model_config.model)
+    if is_preset(model_config.model) and model_config.load_format == "safetensors":
+        raise ValueError(
+            f"load_format: {model_config.model!r} is a preset with no weights; use 'dummy'"
+        )
+    if dummy:
+        if model_config.load_format != "dummy":
+            logger.warning(
+                "%s has no weights: using random ones (text will be noise)", model_config.model
+            )
+        initialize_dummy_weights(model, model_config.seed)
+        return model
+    if path is None:
+        path = resolve_model_path(model_config.model, model_config.revision)
+    loaded = model.load_weights(iterate_safetensors(path))
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+        )
+        raise ValueError(f"checkpoint {path} is missing weights: {shown}")
+    return model
+
+
+def list_safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: those in the index if there is
+    one, else every `*.safetensors` file."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists shards that are absent: {absent}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path} (only safetensors is supported)")
+    return files
+
+
+def iterate_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every safetensors file under `path`, read on the host,
+    with a progress bar over the shards."""
+    from safetensors import safe_open
+
+    files = list_safetensors_files(path)
+    for file in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard"):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for benchmarks: normal(0, std) matrices, norm weights 1, biases 0.
+    Deterministic for a seed."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            # Drawn where the parameter lives: no host copy of a billion values.
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, std, generator=generators[param.device])

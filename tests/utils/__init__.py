@@ -1,0 +1,1 @@
+"""Helpers shared by tests (checkpoints built with transformers)."""
