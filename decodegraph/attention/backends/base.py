@@ -1,0 +1,112 @@
+"""Attention backend contract: metadata, graph-params slots, KV caches.
+
+A backend declares how much graph it supports (`cudagraph_support`); it never picks
+the graph mode. Its per-step metadata lives in *slots*: slot 0 is the eager slot,
+rewritten every step; every captured graph gets a slot of its own whose tensor views
+were fixed at capture and whose host values are baked into the graph.
+`update_graph_params(slot, metadata)` refreshes those host values before each replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from decodegraph.graphs.modes import AttentionCGSupport
+
+EAGER_SLOT = 0
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's attention inputs. Tensors are views of the persistent buffers."""
+
+    num_reqs: int  # real requests (padded rows excluded)
+    num_actual_tokens: int  # real tokens (padded rows excluded)
+    max_query_len: int
+    max_seq_len: int  # longest context in the batch, new tokens included
+    uniform_decode: bool  # every request adds exactly one token
+    # Host copies the attention op reads directly (these are the "graph params").
+    query_start_loc_cpu: list[int]  # [num_reqs + 1]
+    seq_lens_cpu: list[int]  # [num_reqs]
+    # Device tensors (views of persistent buffers; fixed addresses once captured).
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [padded reqs] int32, 0 for padded rows
+    block_tables: torch.Tensor  # [padded reqs, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [padded tokens] int64, -1 for padded rows
+
+    # Host fields, the ones `update_graph_params` copies into a graph's slot.
+    HOST_FIELDS: ClassVar[tuple[str, ...]] = (
+        "num_reqs",
+        "num_actual_tokens",
+        "max_query_len",
+        "max_seq_len",
+        "uniform_decode",
+        "query_start_loc_cpu",
+        "seq_lens_cpu",
+    )
+
+
+class AttentionBackend:
+    """Owns the per-layer KV caches and the metadata slots the attention op reads."""
+
+    name: ClassVar[str] = "base"
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # One K and one V tensor per layer, [num_blocks, block_size, kv_heads, head_size]
+        # (separate tensors: writes through views of one big tensor copy it when compiled).
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slots: list[AttentionMetadata | None] = [None]
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.kv_caches = kv_caches
+
+    def set_eager_metadata(self, metadata: AttentionMetadata) -> None:
+        self.slots[EAGER_SLOT] = metadata
+
+    def new_graph_slot(self, metadata: AttentionMetadata) -> int:
+        """A slot for a graph about to be captured, holding its capture-time metadata."""
+        self.slots.append(metadata)
+        return len(self.slots) - 1
+
+    def update_graph_params(self, slot: int, metadata: AttentionMetadata) -> None:
+        """Refresh the host values a graph baked in with this step's values.
+
+        The tensor views in the slot keep the addresses the graph was captured with;
+        only host values change.
+        """
+        target = self.slots[slot]
+        assert target is not None and slot != EAGER_SLOT
+        for name in AttentionMetadata.HOST_FIELDS:
+            setattr(target, name, getattr(metadata, name))
+
+    def allocate_workspace(self, max_num_reqs: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate, once and before capture, whatever the op needs at run time."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        slot: int,
+    ) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,68 @@
+"""The one place that decides, per step, which runtime mode runs and under which key."""
+
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple
+
+from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
+
+
+class BatchDescriptor(NamedTuple):
+    """The key a graph is stored under (after padding)."""
+
+    num_tokens: int
+    # Requests in the batch; for uniform decode it equals num_tokens. Mixed-batch
+    # graphs do not depend on it and store None.
+    num_reqs: int | None
+    # Every request adds exactly one token.
+    uniform: bool
+
+
+class CudagraphDispatcher:
+    """Maps a step's `BatchDescriptor` to (runtime mode, padded key).
+
+    Full decode keys exist for every capture size when the resolved mode runs FULL
+    for uniform decode; mixed keys (full or piecewise) exist for every capture size
+    when it runs a graph for mixed batches. A batch larger than the largest capture
+    size, or of a shape no key covers, runs eagerly (RuntimeMode.NONE, key unpadded).
+    """
+
+    def __init__(self, mode: CUDAGraphMode, capture_sizes: list[int]) -> None:
+        self.mode = mode
+        self.capture_sizes = sorted(capture_sizes) if mode is not CUDAGraphMode.NONE else []
+        self.keys: dict[RuntimeMode, list[BatchDescriptor]] = {
+            RuntimeMode.FULL: [],
+            RuntimeMode.PIECEWISE: [],
+        }
+        # FULL serves uniform decode with its mixed-batch graphs: one graph per size.
+        self._uniform_full = (
+            mode.decode_mode() is RuntimeMode.FULL and mode.mixed_mode() is not RuntimeMode.FULL
+        )
+        for size in self.capture_sizes:
+            if self._uniform_full:
+                self.keys[RuntimeMode.FULL].append(BatchDescriptor(size, size, True))
+            if mode.mixed_mode() is not RuntimeMode.NONE:
+                self.keys[mode.mixed_mode()].append(BatchDescriptor(size, None, False))
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        """The smallest capture size >= num_tokens, or None when none is."""
+        i = bisect.bisect_left(self.capture_sizes, num_tokens)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def dispatch(self, desc: BatchDescriptor) -> tuple[RuntimeMode, BatchDescriptor]:
+        """The runtime mode and key for one step's (unpadded) batch."""
+        padded = self.padded_size(desc.num_tokens)
+        if padded is None:
+            return RuntimeMode.NONE, desc
+        if desc.uniform and self._uniform_full:
+            return RuntimeMode.FULL, BatchDescriptor(padded, padded, True)
+        mixed = self.mode.mixed_mode()
+        if mixed is RuntimeMode.NONE:
+            return RuntimeMode.NONE, desc
+        return mixed, BatchDescriptor(padded, None, False)
+
+    def all_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
+        """Every (mode, key) to capture, largest first (later graphs reuse the pool)."""
+        pairs = [(m, k) for m, ks in self.keys.items() for k in ks]
+        return sorted(pairs, key=lambda p: (-p[1].num_tokens, p[0].value))

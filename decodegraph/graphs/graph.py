@@ -1,0 +1,120 @@
+"""One captured graph per platform: the CPU traced graph and the CUDA graph.
+
+Both record the addresses of their inputs at capture and check them on the first
+replay (always on: a changed address silently corrupts a device graph's output).
+Outputs of a replay are valid until the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+logger = logging.getLogger(__name__)
+
+GraphFn = Callable[..., torch.Tensor]
+
+
+class InputAddressError(RuntimeError):
+    """A graph was replayed with inputs at other addresses than at capture."""
+
+
+class Graph:
+    """A captured function of fixed-shape tensor inputs."""
+
+    def __init__(self, name: str, inputs: Sequence[torch.Tensor]) -> None:
+        self.name = name
+        self._addresses = [t.data_ptr() for t in inputs]
+        self._checked = False
+        self.num_replays = 0
+
+    def check_addresses(self, inputs: Sequence[torch.Tensor]) -> None:
+        addresses = [t.data_ptr() for t in inputs]
+        if addresses != self._addresses:
+            bad = [i for i, (a, b) in enumerate(zip(addresses, self._addresses)) if a != b]
+            raise InputAddressError(
+                f"graph {self.name}: inputs {bad} are not at their capture-time addresses"
+            )
+        self._checked = True
+
+    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not self._checked:
+            self.check_addresses(inputs)
+        self.num_replays += 1
+        return self._run(inputs)
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def trace(fn: GraphFn, inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
+    """Trace `fn` into an op graph; tensors it reads but is not given become constants."""
+    with torch.no_grad():
+        return make_fx(fn)(*inputs)
+
+
+def compile_with_inductor(
+    gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]
+) -> Callable[..., object]:
+    """Compile a traced graph with Inductor (no dynamo front end involved)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    # make_fx leaves fake values made under separate fake modes; Inductor wants one.
+    for node in gm.graph.nodes:
+        node.meta.pop("val", None)
+        node.meta.pop("tensor_meta", None)
+    with torch.no_grad():
+        return compile_fx(gm, list(inputs))
+
+
+class CpuGraph(Graph):
+    """A traced op graph replayed without running the model's Python.
+
+    Like a device graph it bakes host values (ints, the attention params slot) at
+    trace time; only the attention op's own code runs at replay.
+    """
+
+    def __init__(
+        self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], use_inductor: bool
+    ) -> None:
+        super().__init__(name, inputs)
+        self.graph_module = trace(fn, inputs)
+        if use_inductor:
+            self._callable = compile_with_inductor(self.graph_module, inputs)
+        else:
+            self._callable = self.graph_module
+        # One run now, so a failure shows at start-up and compiled code is warm.
+        self._run(inputs)
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = self._callable(*inputs)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+
+class CudaGraph(Graph):
+    """A torch.cuda.CUDAGraph over fixed input buffers, in a shared memory pool."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        pool: object,
+        num_warmups: int,
+    ) -> None:
+        super().__init__(name, inputs)
+        with torch.no_grad():
+            for _ in range(num_warmups):
+                fn(*inputs)
+            torch.cuda.synchronize()
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph, pool=pool):
+                self._output = fn(*inputs)
+        torch.cuda.synchronize()
+
+    def _run(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        self._graph.replay()
+        return self._output

@@ -1,0 +1,30 @@
+"""CPU: graphs are traced op graphs (make_fx), optionally compiled by Inductor."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+from decodegraph.attention.backends.base import AttentionBackend
+from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
+from decodegraph.platforms.base import Platform
+
+# Without an explicit budget, the KV cache takes this share of available host memory.
+_CPU_KV_CACHE_SHARE = 0.25
+_CPU_KV_CACHE_MAX_BYTES = 4 << 30
+
+
+class CpuPlatform(Platform):
+    name: ClassVar[str] = "cpu"
+    device_type: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    graph_capture_kind: ClassVar[str | None] = "cpu"
+    # Each CPU graph is compiled (seconds per size), so capture few sizes.
+    default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8, 16]
+
+    def attention_backend_cls(self) -> type[AttentionBackend]:
+        return CPUAttentionBackend
+
+    def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
+        pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(int(pages * _CPU_KV_CACHE_SHARE), _CPU_KV_CACHE_MAX_BYTES)
