@@ -1,0 +1,247 @@
+"""Turns what the scheduler produced each step into `RequestOutput`s.
+
+It owns everything about a request that only matters to the user: its text (incremental
+detokenization), stop strings, logprob texts, the per-`output_kind` shape of each output,
+and the fan-in of a parent request's `n` children into one `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodegraph.engine.detokenizer import IncrementalDetokenizer
+from decodegraph.engine.request import EngineCoreOutput
+from decodegraph.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ProcessedOutputs:
+    """One step's results for the user, and what the scheduler must now finish."""
+
+    request_outputs: list[RequestOutput]
+    # Child request ids that hit a stop string: finish them as FINISHED_STOPPED.
+    reqs_to_abort: list[str]
+
+
+@dataclass(eq=False)
+class _ChildState:
+    """One of a parent's n sequences."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # How much of token_ids / logprobs earlier DELTA outputs already carried.
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+
+
+@dataclass(eq=False)
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[_ChildState]
+    child_ids: list[str]
+    metrics: RequestMetrics
+    num_unfinished: int
+
+
+class OutputProcessor:
+    """Keeps per-request output state and builds the user-facing outputs of each step.
+
+    With `tokenizer=None` (skip_tokenizer_init) text stays "" and only token ids flow.
+    """
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _ParentState] = {}
+        # Child request id -> (parent, child).
+        self._children: dict[str, tuple[_ParentState, _ChildState]] = {}
+        self._decoded_tokens: dict[int, str] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_request_ids: list[str],
+        arrival_time: float,
+    ) -> None:
+        """Track a parent request whose sequences run as `child_request_ids` (child i is
+        `CompletionOutput.index` i; for n=1 the one child may share the parent's id)."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if not child_request_ids:
+            raise ValueError("child_request_ids: at least one child is required")
+        children = []
+        for index in range(len(child_request_ids)):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            logprobs: list[dict[int, Logprob]] | None = None
+            cumulative: float | None = None
+            if params.logprobs is not None:
+                logprobs, cumulative = [], 0.0
+            children.append(
+                _ChildState(index, detok, logprobs=logprobs, cumulative_logprob=cumulative)
+            )
+        parent = _ParentState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            children=children,
+            child_ids=list(child_request_ids),
+            metrics=RequestMetrics(arrival_time=arrival_time),
+            num_unfinished=len(children),
+        )
+        self._parents[request_id] = parent
+        for child_id, child in zip(child_request_ids, children, strict=True):
+            self._children[child_id] = (parent, child)
+
+    def abort_request(self, request_id: str) -> None:
+        """Forget a parent request and its children (no further outputs)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child_id in parent.child_ids:
+            self._children.pop(child_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any tracked request still has an unfinished sequence."""
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Fold one step's outputs into request state; return what users should see."""
+        now = time.monotonic()
+        reqs_to_abort: list[str] = []
+        # Parents touched this step, in first-seen order, with the children touched.
+        touched: dict[str, tuple[_ParentState, list[_ChildState]]] = {}
+        for out in outputs:
+            entry = self._children.get(out.request_id)
+            if entry is None:
+                continue  # aborted, or finished by a stop string in an earlier step
+            parent, child = entry
+            if child.finish_reason is not None:
+                continue
+            if self._process_one(parent, child, out, now):
+                reqs_to_abort.append(out.request_id)
+            touched.setdefault(parent.request_id, (parent, []))[1].append(child)
+
+        request_outputs = []
+        for parent, children in touched.values():
+            request_output = self._make_request_output(parent, children, now)
+            if request_output is not None:
+                request_outputs.append(request_output)
+            if parent.num_unfinished == 0:
+                self.abort_request(parent.request_id)
+        return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _process_one(
+        self, parent: _ParentState, child: _ChildState, out: EngineCoreOutput, now: float
+    ) -> bool:
+        """Update one child; True when a stop string finished it (the scheduler must be
+        told to stop it)."""
+        params = parent.params
+        new_ids = out.new_token_ids
+        if new_ids:
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+        child.token_ids += new_ids
+        if child.logprobs is not None and out.new_logprobs:
+            for token_id, entry in zip(new_ids, out.new_logprobs, strict=True):
+                self._fill_decoded_tokens(entry)
+                child.logprobs.append(entry)
+                assert child.cumulative_logprob is not None
+                child.cumulative_logprob += entry[token_id].logprob
+
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        stopped_by_string = False
+        if child.detokenizer is not None:
+            text_ids = new_ids
+            # The EOS / stop token that ended the sequence is not part of its text.
+            if (
+                finish_reason == "stop"
+                and not isinstance(stop_reason, str)
+                and not params.include_stop_str_in_output
+            ):
+                text_ids = new_ids[:-1]
+            stop_string = child.detokenizer.update(text_ids)
+            if stop_string is not None:
+                stopped_by_string = finish_reason is None
+                finish_reason, stop_reason = "stop", stop_string
+        if finish_reason is not None:
+            child.finish_reason, child.stop_reason = finish_reason, stop_reason
+            parent.num_unfinished -= 1
+        return stopped_by_string
+
+    def _fill_decoded_tokens(self, entry: dict[int, Logprob]) -> None:
+        if self.tokenizer is None:
+            return
+        for token_id, logprob in entry.items():
+            if logprob.decoded_token is None:
+                text = self._decoded_tokens.get(token_id)
+                if text is None:
+                    text = self.tokenizer.decode([token_id])
+                    self._decoded_tokens[token_id] = text
+                logprob.decoded_token = text
+
+    def _make_request_output(
+        self, parent: _ParentState, touched: list[_ChildState], now: float
+    ) -> RequestOutput | None:
+        kind = parent.params.output_kind
+        finished = parent.num_unfinished == 0
+        if finished:
+            parent.metrics.finished_time = now
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        # A DELTA output carries only the sequences that changed this step.
+        children = sorted(touched, key=lambda c: c.index) if delta else parent.children
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[self._completion(child, delta) for child in children],
+            finished=finished,
+            metrics=parent.metrics,
+        )
+
+    def _completion(self, child: _ChildState, delta: bool) -> CompletionOutput:
+        finished = child.finish_reason is not None
+        text = ""
+        if child.detokenizer is not None:
+            text = child.detokenizer.get_next_output_text(finished, delta)
+        token_ids = child.token_ids
+        logprobs = child.logprobs
+        if delta:
+            token_ids = token_ids[child.num_sent_tokens :]
+            child.num_sent_tokens = len(child.token_ids)
+            if logprobs is not None:
+                logprobs = logprobs[child.num_sent_logprobs :]
+                child.num_sent_logprobs = len(child.logprobs or [])
+        else:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        return CompletionOutput(
+            index=child.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
+        )
