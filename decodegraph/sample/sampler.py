@@ -118,6 +118,8 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         noise.exponential_()
     for row, generator in generators.items():
         noise[row].exponential_(generator=generator)
+    # A draw of exactly 0 would make 0/0 = NaN win the argmax for a masked token.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return probs.div_(noise).argmax(dim=-1)
 
 

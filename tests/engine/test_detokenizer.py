@@ -102,6 +102,9 @@ def test_leading_space_of_the_first_output_token_is_kept_after_a_prompt(tokenize
     bos_only = IncrementalDetokenizer(tokenizer, [BOS], SamplingParams())
     bos_only.update(out)
     assert bos_only.output_text == tokenizer.decode([BOS] + out, skip_special_tokens=True)
+    no_prompt = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    no_prompt.update(out)
+    assert no_prompt.output_text == tokenizer.decode(out) == "a time"
 
 
 def test_prompt_ending_in_half_a_character_completes_in_the_output(tokenizer) -> None:
