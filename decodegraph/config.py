@@ -63,6 +63,10 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
+    # Resolved by EngineArgs.create_engine_config: the local directory (None for a
+    # preset) and the Hugging Face config read from it.
+    model_path: Any = None
+    hf_config: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -116,6 +116,11 @@ class OutputProcessor:
         for child_id in parent.child_ids:
             self._children.pop(child_id, None)
 
+    def child_ids(self, request_id: str) -> list[str]:
+        """The child request ids of a running parent ([] when unknown or finished)."""
+        parent = self._parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else []
+
     def has_unfinished_requests(self) -> bool:
         """True while any tracked request still has an unfinished sequence."""
         return bool(self._parents)

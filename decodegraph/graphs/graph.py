@@ -34,7 +34,7 @@ class Graph:
     def check_addresses(self, inputs: Sequence[torch.Tensor]) -> None:
         addresses = [t.data_ptr() for t in inputs]
         if addresses != self._addresses:
-            bad = [i for i, (a, b) in enumerate(zip(addresses, self._addresses)) if a != b]
+            bad = [i for i, (a, b) in enumerate(zip(addresses, self._addresses, strict=True)) if a != b]
             raise InputAddressError(
                 f"graph {self.name}: inputs {bad} are not at their capture-time addresses"
             )

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx.passes.split_module import split_module
 
+import decodegraph.attention.layer  # noqa: F401  (registers the attention op)
 from decodegraph.graphs.graph import GraphFn, compile_with_inductor, trace
 
 ATTENTION_OP = torch.ops.decodegraph.unified_attention.default
@@ -79,7 +80,7 @@ class CudaPiece(torch.nn.Module):
             stable.add(t.data_ptr())
 
     def forward(self, *args: torch.Tensor) -> object:
-        for static, arg in zip(self._static, args):
+        for static, arg in zip(self._static, args, strict=True):
             if static.data_ptr() != arg.data_ptr():
                 static.copy_(arg)
         self._graph.replay()

@@ -56,8 +56,10 @@ class CPUAttentionBackend(AttentionBackend):
         slot: int,
     ) -> torch.Tensor:
         md = self.slots[slot]
-        k_cache, v_cache = self.kv_caches[layer_idx]
         n = md.num_actual_tokens
+        if n == 0:  # the profiling run: no requests, nothing to attend or write
+            return torch.zeros_like(query)
+        k_cache, v_cache = self.kv_caches[layer_idx]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
         # Padded rows sit at the tail; writing only the first n rows skips them.
         slots = md.slot_mapping[:n]

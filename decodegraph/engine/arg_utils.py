@@ -1,0 +1,162 @@
+"""Flat engine arguments (Python keywords and CLI flags, spelled as vLLM's) and their
+resolution into one validated `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodegraph.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_dtype,
+)
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option; `LLM(...)` keywords and CLI flags map onto these."""
+
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    compilation_config: CompilationConfig | dict | str | None = field(default=None)
+    device: str = "auto"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        """Add the engine flags (vLLM spellings) to `parser`."""
+        g = parser.add_argument_group("engine")
+        if model_positional:
+            g.add_argument("model", help="local directory, hub id, or preset:NAME")
+        else:
+            g.add_argument("--model", required=True, help="local directory, hub id, or preset:NAME")
+        g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id")
+        g.add_argument("--revision", default=None)
+        g.add_argument(
+            "--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto reads config)"
+        )
+        g.add_argument("--max-model-len", type=int, default=None)
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+        g.add_argument("--skip-tokenizer-init", action="store_true")
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+        )
+        g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument("--max-num-seqs", type=int, default=256)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument(
+            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+        )
+        g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+        g.add_argument("--enforce-eager", action="store_true", help="never use graphs (mode NONE)")
+        g.add_argument(
+            "-O",
+            "--compilation-config",
+            default=None,
+            help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'',
+        )
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every field, read the checkpoint's config, fill the defaults."""
+        from decodegraph.models.loader import get_config_dtype, load_hf_config, resolve_model_path
+
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            revision=self.revision,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            load_format=self.load_format,
+            served_model_name=self.served_model_name,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        compilation_config = CompilationConfig.from_any(self.compilation_config)
+        device_config = DeviceConfig(device=self.device)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
+
+        path = None
+        if self.load_format != "dummy" or not self.model.startswith("preset:"):
+            path = resolve_model_path(self.model, self.revision)
+        hf_config = load_hf_config(model_config, path)
+        model_config.model_path = path
+        model_config.hf_config = hf_config
+        model_config.dtype = parse_dtype(self.dtype, get_config_dtype(hf_config))
+        limit = _context_length(hf_config)
+        if model_config.max_model_len is None:
+            model_config.max_model_len = limit
+        elif limit is not None and model_config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len: {model_config.max_model_len} exceeds the model's context "
+                f"length ({limit})"
+            )
+        if scheduler_config.max_num_batched_tokens is None:
+            scheduler_config.max_num_batched_tokens = max(2048, model_config.max_model_len)
+        if compilation_config.cudagraph_mode is None:
+            from decodegraph.graphs.modes import CUDAGraphMode
+
+            compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            compilation_config=compilation_config,
+            device_config=device_config,
+            enforce_eager=self.enforce_eager,
+        )
+
+
+def _context_length(hf_config: Any) -> int:
+    length = getattr(hf_config, "max_position_embeddings", None)
+    return int(length) if length else 2048

@@ -1,0 +1,271 @@
+"""The synchronous engine: requests in, one scheduled and executed step at a time.
+
+step():  scheduler.schedule() -> model_runner.execute_model() ->
+         scheduler.update_from_output() -> output_processor (detokenize, stop strings)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from decodegraph.config import EngineConfig
+from decodegraph.core.scheduler import Scheduler
+from decodegraph.engine.arg_utils import EngineArgs
+from decodegraph.engine.output_processor import OutputProcessor
+from decodegraph.engine.request import Request, RequestStatus
+from decodegraph.outputs import RequestOutput
+from decodegraph.platforms import get_platform
+from decodegraph.sampling_params import SamplingParams
+from decodegraph.tokenizer import get_tokenizer
+from decodegraph.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int  # usable blocks (the null block excluded)
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    # Runtime mode name -> steps run in it; and (step kind, mode) -> steps.
+    graph_runs: dict[str, int] = field(default_factory=dict)
+    mode_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler, model runner and output processor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc, cc = config.model_config, config.cache_config
+        self.config = config
+        self.model_config = mc
+        self.platform = get_platform(config.device_config.device)
+        torch.manual_seed(mc.seed)
+        self.tokenizer = get_tokenizer(mc, mc.model_path)
+        self.runner = ModelRunner(config, self.platform, mc.hf_config)
+        start = time.perf_counter()
+        self.runner.load_model(mc.model_path)
+        self.runner.profile_run()
+        num_blocks = self._num_kv_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        mode = self.runner.resolve_graph_mode()
+        stats = self.runner.capture_graphs()
+        logger.info(
+            "Engine ready in %.1f s: %s, %d KV blocks of %d tokens, graph mode %s (%d graphs)",
+            time.perf_counter() - start,
+            mc.model,
+            num_blocks - 1,
+            cc.block_size,
+            mode.name,
+            stats.num_graphs,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, cc, mc.max_model_len, num_blocks
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self._eos_token_id()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._request_counter = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # ---------------------------------------------------------------- start-up
+
+    def _num_kv_blocks(self) -> int:
+        """KV blocks from the memory budget, less the attention workspace."""
+        cc, runner = self.config.cache_config, self.runner
+        per_block = runner.kv_cache_bytes_per_block()
+        blocks_per_seq = runner.attn_backend.max_blocks_per_seq
+        if cc.num_gpu_blocks_override is not None:
+            num_blocks = cc.num_gpu_blocks_override
+        else:
+            budget = cc.kv_cache_memory_bytes
+            if budget is None:
+                budget = self.platform.available_kv_cache_memory(
+                    cc.gpu_memory_utilization, self.platform.memory_allocated()
+                )
+                # More than every sequence at full length is of no use but prefix caching.
+                budget = min(budget, (runner.max_num_reqs * blocks_per_seq + 1) * per_block)
+            budget -= runner.workspace_bytes(runner.max_num_reqs)
+            num_blocks = max(0, budget) // per_block
+        needed = blocks_per_seq + 1  # one full-length sequence plus the null block
+        if num_blocks < needed:
+            field_name = (
+                "num_gpu_blocks_override"
+                if cc.num_gpu_blocks_override is not None
+                else "kv_cache_memory_bytes"
+            )
+            raise ValueError(
+                f"{field_name}: the KV cache holds {num_blocks} blocks of {cc.block_size} "
+                f"tokens, but max_model_len={self.model_config.max_model_len} needs {needed} "
+                f"(each block is {per_block} bytes, and the attention workspace takes "
+                f"{runner.workspace_bytes(runner.max_num_reqs)} bytes); raise the budget or "
+                "lower max_model_len / max_num_seqs"
+            )
+        return num_blocks
+
+    def _eos_token_id(self) -> int | None:
+        hf = self.model_config.hf_config
+        eos = getattr(hf, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return eos
+
+    # ---------------------------------------------------------------- requests
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer (skip_tokenizer_init is set)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected str, token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Bad input raises ValueError and changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        max_len, vocab = self.model_config.max_model_len, self.runner.vocab_size
+        if not ids:
+            raise ValueError("prompt: the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt_token_ids: every token id must be an int in [0, {vocab})")
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len={max_len}"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        children = []
+        for i, child_id in enumerate(child_ids):
+            child_params = params if params.n == 1 else params.for_child(i)
+            if child_params.max_tokens is None:
+                child_params = child_params.clone()
+                child_params.max_tokens = max_len - len(ids)
+            generator = None
+            if child_params.seed is not None:
+                generator = torch.Generator(device=self.runner.device)
+                generator.manual_seed(child_params.seed)
+            children.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival,
+                    generator=generator,
+                )
+            )
+        self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival)
+        for child in children:
+            self.scheduler.add_request(child)
+        self._prompt_tokens_total += len(ids) * len(children)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Abort parent requests (their children too); unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            children = self.output_processor.child_ids(rid)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of requests that progressed."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.total_num_scheduled_tokens == 0:
+            return []
+        runner_out = self.runner.execute_model(sched_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        for out in core_outputs:
+            self._generation_tokens_total += len(out.new_token_ids)
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.reqs_to_abort:
+            self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return processed.request_outputs
+
+    # ---------------------------------------------------------------- introspection
+
+    def get_stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        graph_runs: dict[str, int] = {}
+        for (_, mode), count in self.runner.mode_counts.items():
+            graph_runs[mode] = graph_runs.get(mode, 0) + count
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.kv_cache_usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=self.runner.num_blocks - 1,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            graph_runs=graph_runs,
+            mode_counts=dict(self.runner.mode_counts),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> str:
+        """Render `messages` with the model's (or the given) chat template."""
+        if self.tokenizer is None:
+            raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init is set)")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(
+                "chat_template: this model's tokenizer has no chat template; pass one "
+                "(chat_template=... / --chat-template)"
+            )
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )

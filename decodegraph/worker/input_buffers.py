@@ -1,0 +1,72 @@
+"""Persistent input buffers: allocated once at the largest size, written in place.
+
+Graphs read `[:n]` views of these, so their addresses never change. On CUDA each
+buffer has a pinned host twin that the step writes with numpy and copies over in one
+non-blocking copy; on CPU the host view *is* the buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PersistentBuffer:
+    """A device tensor plus the host array the step writes into."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fill: int):
+        self.device = device
+        pin = device.type == "cuda"
+        self.cpu = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+        self.np: np.ndarray = self.cpu.numpy()
+        self.gpu = self.cpu if device.type == "cpu" else self.cpu.to(device)
+
+    def copy_to_device(self, n: int) -> None:
+        """Make the first n rows visible on the device."""
+        if self.gpu is not self.cpu:
+            self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
+
+
+class InputBuffers:
+    """Every per-step model and attention input (DESIGN §1 'persistent buffers')."""
+
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        self.max_num_tokens = max_num_tokens
+        self.max_num_reqs = max_num_reqs
+        # Padding convention (DESIGN §5): token 0, position 0, slot -1, length 0, block 0
+        # (block 0 is the reserved null block).
+        self.input_ids = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)
+        self.positions = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)
+        self.slot_mapping = PersistentBuffer((max_num_tokens,), torch.int64, device, -1)
+        self.seq_lens = PersistentBuffer((max_num_reqs,), torch.int32, device, 0)
+        self.query_start_loc = PersistentBuffer((max_num_reqs + 1,), torch.int32, device, 0)
+        self.block_tables = PersistentBuffer(
+            (max_num_reqs, max_blocks_per_seq), torch.int32, device, 0
+        )
+        self.logits_indices = PersistentBuffer((max_num_reqs,), torch.int64, device, 0)
+        # How many block-table columns each row had filled last time (stale-tail clearing).
+        self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+
+    def write_block_row(self, row: int, block_ids: list[int]) -> None:
+        n = len(block_ids)
+        bt = self.block_tables.np
+        bt[row, :n] = block_ids
+        if self.row_blocks[row] > n:
+            bt[row, n : self.row_blocks[row]] = 0
+        self.row_blocks[row] = n
+
+    def clear_block_rows(self, start: int, end: int) -> None:
+        """Padded rows point at the null block only."""
+        stale = self.row_blocks[start:end]
+        if stale.any():
+            self.block_tables.np[start:end] = 0
+            stale[:] = 0
+
+    def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
+        for buf in (self.input_ids, self.positions, self.slot_mapping):
+            buf.copy_to_device(num_tokens)
+        for buf in (self.seq_lens, self.block_tables, self.logits_indices):
+            buf.copy_to_device(num_reqs)
+        self.query_start_loc.copy_to_device(num_reqs + 1)
