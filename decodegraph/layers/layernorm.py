@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         # torch.empty: the loader (or dummy init) writes every weight; no init cost.
-        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.variance_epsilon = eps
         self.hidden_size = hidden_size
 

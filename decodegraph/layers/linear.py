@@ -30,8 +30,9 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        # Inference only: no autograd bookkeeping on any op that touches the weights.
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -88,18 +88,19 @@ CHECKPOINTS: dict[str, tuple[type[PretrainedConfig], str, dict[str, Any]]] = {
 def make_hf_config(arch: str, **overrides: Any) -> PretrainedConfig:
     """The transformers config of checkpoint `arch` (a key of CHECKPOINTS)."""
     config_cls, architecture, settings = CHECKPOINTS[arch]
-    kwargs = {**_BASE, **settings, **overrides}
-    return config_cls(architectures=[architecture], dtype="float32", **kwargs)
+    kwargs = {"dtype": "float32", **_BASE, **settings, **overrides}
+    return config_cls(architectures=[architecture], **kwargs)
 
 
-def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """A random transformers model for `arch` in float32 (eager attention, eval mode).
-    Weights, norms and biases are all random so no parameter hides behind a default."""
-    config = make_hf_config(arch, **overrides)
+def make_hf_model(
+    arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> PreTrainedModel:
+    """A random transformers model for `arch` (eager attention, eval mode), float32 unless
+    `dtype` says otherwise. Weights, norms and biases are all random so no parameter
+    hides behind a default."""
+    config = make_hf_config(arch, dtype=str(dtype).removeprefix("torch."), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -110,13 +111,18 @@ def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel
 
 
 def make_checkpoint(
-    tmp_path: Path, arch: str, max_shard_size: str | int | None = None, **overrides: Any
+    tmp_path: Path,
+    arch: str,
+    max_shard_size: str | int | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
 ) -> Path:
     """Save a random `arch` checkpoint under `tmp_path/arch` and return its directory.
 
     `max_shard_size` (e.g. "100KB") splits it into several safetensors files with a
-    `model.safetensors.index.json`, as large checkpoints are."""
-    model = make_hf_model(arch, **overrides)
+    `model.safetensors.index.json`, as large checkpoints are; `overrides` change config
+    fields (e.g. `num_key_value_heads=4`)."""
+    model = make_hf_model(arch, dtype=dtype, **overrides)
     out = tmp_path / arch
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **kwargs)
