@@ -1,0 +1,5 @@
+import sys
+
+from decodegraph.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,152 @@
+"""`decodegraph` command line: generate, graphs, serve (vLLM-style flags)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from decodegraph.engine.arg_utils import EngineArgs
+
+logger = logging.getLogger("decodegraph")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from decodegraph.engine.llm_engine import LLMEngine
+    from decodegraph.models.presets import is_preset
+    from decodegraph.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.load_format == "dummy" or is_preset(engine_args.model):
+        print(
+            "NOTE: random (dummy) weights: the generated text is noise; this run shows the "
+            "engine working, not a model.",
+            file=sys.stderr,
+        )
+    engine = LLMEngine.from_engine_args(engine_args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+        stop=args.stop,
+    )
+    prompts = args.prompt or [""]
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        # An empty prompt means: start from the BOS token alone.
+        if prompt == "":
+            bos = engine.tokenizer.bos_token_id if engine.tokenizer is not None else None
+            item: object = {"prompt": "", "prompt_token_ids": [bos if bos is not None else 0]}
+        else:
+            item = prompt
+        engine.add_request(str(i), item, params)
+    outputs = {}
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    elapsed = time.perf_counter() - start
+    for i, prompt in enumerate(prompts):
+        out = outputs[str(i)]
+        num_tokens += len(out.outputs[0].token_ids)
+        print(f"Prompt: {prompt!r}\nGenerated: {out.outputs[0].text!r}\n")
+    stats = engine.get_stats()
+    print(
+        f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s); "
+        f"graph mode {engine.runner.mode.name}; steps by mode {stats.graph_runs}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _graphs(args: argparse.Namespace) -> int:
+    from decodegraph.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    runner = engine.runner
+    cs = runner.capture_stats
+    report = {
+        "platform": engine.platform.name,
+        "attention_backend": runner.attn_backend.name,
+        "attention_cudagraph_support": runner.attn_backend.cudagraph_support.name,
+        "requested_mode": (
+            "NONE (enforce_eager)"
+            if engine.config.enforce_eager
+            else engine.config.compilation_config.cudagraph_mode.name
+        ),
+        "resolved_mode": runner.mode.name,
+        "capture_sizes": runner.dispatcher.capture_sizes,
+        "num_graphs": cs.num_graphs,
+        "graphs_by_mode": cs.by_mode,
+        "capture_seconds": round(cs.seconds, 3),
+        "capture_memory_bytes": cs.memory_bytes,
+        "kv_cache_blocks": runner.num_blocks - 1,
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="decodegraph", description="LLM inference whose decode step is one replayed graph"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (offline)")
+    EngineArgs.add_cli_args(gen)
+    gen.add_argument(
+        "--prompt", action="append", default=None, help="prompt (repeatable; none = BOS only)"
+    )
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_generate)
+
+    graphs = sub.add_parser(
+        "graphs", help="start an engine and print its resolved graph mode and captured graphs"
+    )
+    EngineArgs.add_cli_args(graphs, model_positional=True)
+    graphs.set_defaults(func=_graphs)
+
+    try:
+        from decodegraph.entrypoints.openai.api_server import add_serve_subcommand
+    except ImportError:  # the server's dependencies are optional for offline use
+        add_serve_subcommand = None
+    if add_serve_subcommand is not None:
+        add_serve_subcommand(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
