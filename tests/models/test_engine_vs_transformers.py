@@ -1,0 +1,85 @@
+"""The whole engine (paged KV cache, batched steps, sampler) against transformers'
+`generate()` on the same saved checkpoints, for every architecture variant.
+
+tests/models/test_llama.py compares the model alone (logits); here the ids come out
+of `LLM.generate` with several prompts of different lengths batched together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from decodegraph import LLM, SamplingParams
+from tests.utils.checkpoints import CHECKPOINTS, make_checkpoint
+
+# Different lengths: one token, inside one block, exactly one block, across blocks.
+PROMPTS = [
+    [1],
+    [1, 17, 42, 99, 5, 63, 120, 7, 33, 88, 11],
+    [1, *range(20, 35)],
+    [1, *[(7 * i + 3) % 120 + 3 for i in range(36)]],
+]
+NUM_TOKENS = 40
+TOP_LOGPROBS = 3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine_ckpt")
+    return {arch: make_checkpoint(root, arch) for arch in CHECKPOINTS}
+
+
+def hf_generate(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy ids and the raw per-step log-probabilities ([NUM_TOKENS, vocab])."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ids = out.sequences[0, len(prompt) :].tolist()
+    logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    return ids, logprobs
+
+
+@pytest.mark.parametrize("arch", list(CHECKPOINTS))
+def test_batched_greedy_ids_and_logprobs_match_transformers_generate(
+    arch: str, checkpoints: dict[str, Path]
+) -> None:
+    path = checkpoints[arch]
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=8,
+        dtype="float32",
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ref.generation_config.eos_token_id = None  # all NUM_TOKENS steps on both sides
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        want_ids, want_logprobs = hf_generate(ref, prompt)
+        completion = out.outputs[0]
+        assert completion.token_ids == want_ids, f"prompt of {len(prompt)} tokens"
+        assert completion.finish_reason == "length"
+        assert len(completion.logprobs) == NUM_TOKENS
+        for step, (tok, lps) in enumerate(zip(want_ids, completion.logprobs, strict=True)):
+            assert lps[tok].rank == 1  # greedy: the sampled token is the most likely
+            top = want_logprobs[step].topk(TOP_LOGPROBS)
+            for lp, tid in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+                assert lps[tid].logprob == pytest.approx(lp, abs=1e-4)
+        total = want_logprobs[torch.arange(NUM_TOKENS), torch.tensor(want_ids)].sum().item()
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
