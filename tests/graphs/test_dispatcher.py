@@ -1,0 +1,171 @@
+"""The dispatcher, on CPU, for every mode: keys, padding, out-of-range sizes, mixed batches
+and the graph-count table of DESIGN §2 (the real-engine counts are in the e2e tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from decodegraph.graphs.dispatcher import BatchDescriptor, CudagraphDispatcher
+from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
+
+M = CUDAGraphMode
+R = RuntimeMode
+ALL_MODES = list(CUDAGraphMode)
+SIZES = [1, 2, 4, 8, 16]
+
+
+def _ids(mode: CUDAGraphMode) -> str:
+    return mode.name
+
+
+def _decode(n: int) -> BatchDescriptor:
+    return BatchDescriptor(n, n, True)
+
+
+def _mixed(num_tokens: int, num_reqs: int) -> BatchDescriptor:
+    return BatchDescriptor(num_tokens, num_reqs, False)
+
+
+def graphs_per_mode(mode: CUDAGraphMode, num_sizes: int, num_layers: int) -> int:
+    """DESIGN §2's 'graphs per capture size' column, times the number of sizes."""
+    pieces = num_layers + 1
+    per_size = {
+        M.NONE: 0,
+        M.PIECEWISE: pieces,
+        M.FULL: 1,
+        M.FULL_DECODE_ONLY: 1,
+        M.FULL_AND_PIECEWISE: 1 + pieces,
+    }[mode]
+    return per_size * num_sizes
+
+
+# ---------------------------------------------------------------- keys
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_keys_per_mode(mode: CUDAGraphMode) -> None:
+    d = CudagraphDispatcher(mode, [4, 1, 2])
+    full = set(d.keys[R.FULL])
+    piecewise = set(d.keys[R.PIECEWISE])
+    decode_keys = {_decode(n) for n in (1, 2, 4)}
+    mixed_keys = {BatchDescriptor(n, None, False) for n in (1, 2, 4)}
+    expected = {
+        M.NONE: (set(), set()),
+        M.PIECEWISE: (set(), mixed_keys),
+        # FULL serves uniform decode with its mixed-batch graphs: one graph per size.
+        M.FULL: (mixed_keys, set()),
+        M.FULL_DECODE_ONLY: (decode_keys, set()),
+        M.FULL_AND_PIECEWISE: (decode_keys, mixed_keys),
+    }[mode]
+    assert (full, piecewise) == expected
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_all_keys_come_largest_first_and_cover_every_key(mode: CUDAGraphMode) -> None:
+    d = CudagraphDispatcher(mode, SIZES)
+    keys = d.all_keys()
+    assert len(keys) == len(d.keys[R.FULL]) + len(d.keys[R.PIECEWISE])
+    assert len(set(keys)) == len(keys)
+    sizes = [k.num_tokens for _, k in keys]
+    assert sizes == sorted(sizes, reverse=True)
+    for runtime_mode, key in keys:
+        assert key in d.keys[runtime_mode]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 5])
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_graph_count_table(mode: CUDAGraphMode, num_layers: int) -> None:
+    """Full keys count one graph each, piecewise keys layers + 1 pieces each."""
+    d = CudagraphDispatcher(mode, SIZES)
+    count = sum(1 if m is R.FULL else num_layers + 1 for m, _ in d.all_keys())
+    assert count == graphs_per_mode(mode, len(SIZES), num_layers)
+
+
+def test_mode_none_has_no_capture_sizes() -> None:
+    d = CudagraphDispatcher(M.NONE, SIZES)
+    assert d.capture_sizes == []
+    assert d.all_keys() == []
+
+
+def test_capture_sizes_are_sorted() -> None:
+    assert CudagraphDispatcher(M.FULL, [16, 1, 4]).capture_sizes == [1, 4, 16]
+
+
+# ---------------------------------------------------------------- padding
+
+PAD = [(1, 1), (2, 2), (3, 4), (5, 8), (7, 8), (8, 8), (9, 16), (16, 16)]
+
+
+@pytest.mark.parametrize("n, padded", PAD)
+def test_padded_size_is_the_next_capture_size(n: int, padded: int) -> None:
+    assert CudagraphDispatcher(M.FULL, SIZES).padded_size(n) == padded
+
+
+@pytest.mark.parametrize("n", [17, 25, 1000])
+def test_no_padded_size_above_the_largest(n: int) -> None:
+    assert CudagraphDispatcher(M.FULL, SIZES).padded_size(n) is None
+
+
+@pytest.mark.parametrize("n, padded", PAD)
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_uniform_decode_dispatch_pads_to_the_next_capture_size(
+    mode: CUDAGraphMode, n: int, padded: int
+) -> None:
+    runtime_mode, key = CudagraphDispatcher(mode, SIZES).dispatch(_decode(n))
+    expected_mode = mode.decode_mode()
+    assert runtime_mode is expected_mode
+    if expected_mode is R.NONE:
+        assert key == _decode(n)  # eager runs unpadded
+    elif mode is M.FULL:
+        assert key == BatchDescriptor(padded, None, False)  # FULL's one graph per size
+    elif expected_mode is R.FULL:
+        assert key == _decode(padded)
+    else:
+        assert key == BatchDescriptor(padded, None, False)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_reqs, padded", [(3, 1, 4), (7, 2, 8), (16, 5, 16), (9, 3, 16), (2, 1, 2)]
+)
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_mixed_batch_dispatch_per_mode(
+    mode: CUDAGraphMode, num_tokens: int, num_reqs: int, padded: int
+) -> None:
+    runtime_mode, key = CudagraphDispatcher(mode, SIZES).dispatch(_mixed(num_tokens, num_reqs))
+    assert runtime_mode is mode.mixed_mode()
+    if runtime_mode is R.NONE:
+        assert key == _mixed(num_tokens, num_reqs)
+    else:
+        assert key == BatchDescriptor(padded, None, False)
+
+
+@pytest.mark.parametrize("n", [17, 25, 256])
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+@pytest.mark.parametrize("uniform", [True, False], ids=["decode", "mixed"])
+def test_batches_beyond_the_largest_size_run_eager_unpadded(
+    mode: CUDAGraphMode, n: int, uniform: bool
+) -> None:
+    desc = _decode(n) if uniform else _mixed(n, 2)
+    assert CudagraphDispatcher(mode, SIZES).dispatch(desc) == (R.NONE, desc)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_every_dispatched_graph_key_was_captured(mode: CUDAGraphMode) -> None:
+    """Whatever the dispatcher asks to replay is a key it asked to capture."""
+    d = CudagraphDispatcher(mode, SIZES)
+    captured = set(d.all_keys())
+    descs = [_decode(n) for n in range(1, 20)]
+    descs += [_mixed(t, r) for t in range(2, 20) for r in range(1, t)]
+    for desc in descs:
+        runtime_mode, key = d.dispatch(desc)
+        if runtime_mode is R.NONE:
+            assert key == desc
+        else:
+            assert (runtime_mode, key) in captured
+            assert key.num_tokens >= desc.num_tokens
+
+
+def test_a_size_list_without_small_sizes_runs_small_batches_padded() -> None:
+    d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [8])
+    assert d.dispatch(_decode(1)) == (R.FULL, _decode(8))
+    assert d.dispatch(_decode(9)) == (R.NONE, _decode(9))
