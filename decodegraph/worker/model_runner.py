@@ -181,7 +181,9 @@ class ModelRunner:
         b.seq_lens.np[:reqs] = 1
         b.query_start_loc.np[: reqs + 1] = np.arange(reqs + 1) if key.uniform else [0, n]
         b.copy_to_device(n, reqs)
-        md = self._metadata(reqs, n, n // reqs, 1, key.uniform, None, [1] * reqs, reqs, n)
+        # Mixed-batch graphs serve any number of requests: their views span the buffers.
+        views = reqs if key.uniform else self.max_num_reqs
+        md = self._metadata(reqs, n, n // reqs, 1, key.uniform, None, [1] * reqs, views, n)
         md.query_start_loc_cpu = b.query_start_loc.np[: reqs + 1].tolist()
         if mode is RuntimeMode.FULL:
             slot = self.attn_backend.new_graph_slot(md)

@@ -98,7 +98,9 @@ class AttentionBackend:
         for name in AttentionMetadata.HOST_FIELDS:
             setattr(target, name, getattr(metadata, name))
 
-    def allocate_workspace(self, max_num_reqs: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate_workspace(
+        self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Allocate, once and before capture, whatever the op needs at run time."""
 
     def forward(

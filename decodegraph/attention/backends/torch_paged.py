@@ -27,7 +27,7 @@ from decodegraph.graphs.modes import AttentionCGSupport
 class CPUAttentionBackend(AttentionBackend):
     """Paged attention whose lengths are host values (graph params)."""
 
-    name: ClassVar[str] = "CPU_TORCH_SDPA"
+    name: ClassVar[str] = "CPU_TORCH"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -35,8 +35,20 @@ class CPUAttentionBackend(AttentionBackend):
         self._ws_k: torch.Tensor | None = None
         self._ws_v: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
+        # Per layer: the caches as token slots [blocks * block_size, kvh, d] (for writes)
+        # and as block rows [blocks, block_size * kvh * d] (for gathers).
+        self._slots_view: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._block_view: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def allocate_workspace(self, max_num_reqs: int, dtype: torch.dtype, device: torch.device) -> None:
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().bind_kv_caches(kv_caches)
+        kvh, d = self.num_kv_heads, self.head_size
+        self._slots_view = [(k.view(-1, kvh, d), v.view(-1, kvh, d)) for k, v in kv_caches]
+        self._block_view = [(k.view(k.shape[0], -1), v.view(v.shape[0], -1)) for k, v in kv_caches]
+
+    def allocate_workspace(
+        self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Gather buffers for `max_num_reqs` contexts of max_model_len tokens each."""
         k_cache = self.kv_caches[0][0]
         row = k_cache[0].numel()  # one block's worth of values
@@ -59,76 +71,62 @@ class CPUAttentionBackend(AttentionBackend):
         n = md.num_actual_tokens
         if n == 0:  # the profiling run: no requests, nothing to attend or write
             return torch.zeros_like(query)
-        k_cache, v_cache = self.kv_caches[layer_idx]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
+        kvh, d = self.num_kv_heads, self.head_size
+        k_slots, v_slots = self._slots_view[layer_idx]
         # Padded rows sit at the tail; writing only the first n rows skips them.
-        slots = md.slot_mapping[:n]
-        k_cache.view(-1, kvh, d)[slots] = key[:n].view(n, kvh, d)
-        v_cache.view(-1, kvh, d)[slots] = value[:n].view(n, kvh, d)
-
-        out = torch.zeros_like(query)
+        padded = n < query.shape[0]
+        slots = md.slot_mapping[:n] if padded else md.slot_mapping
+        k_slots.index_copy_(0, slots, (key[:n] if padded else key).view(n, kvh, d))
+        v_slots.index_copy_(0, slots, (value[:n] if padded else value).view(n, kvh, d))
         if md.uniform_decode:
-            out[:n] = self._decode(query[:n].view(n, h, d), k_cache, v_cache, md).view(n, h * d)
-        else:
-            self._mixed(query, k_cache, v_cache, md, out)
-        return out
+            out = self._decode(query[:n] if padded else query, layer_idx, md)
+            if not padded:
+                return out
+            full = query.new_zeros(query.shape)
+            full[:n] = out
+            return full
+        full = query.new_zeros(query.shape)
+        self._mixed(query, layer_idx, md, full)
+        return full
 
     def _gather(
-        self, cache: torch.Tensor, workspace: torch.Tensor, block_ids: torch.Tensor
+        self, cache_blocks: torch.Tensor, workspace: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        """Copy the given blocks into the workspace: [num_blocks_gathered * block_size, kvh, d]."""
-        flat = cache.view(cache.shape[0], -1)
-        ids = block_ids.reshape(-1)
-        out = workspace[: ids.numel()]
-        torch.index_select(flat, 0, ids, out=out)
-        return out.view(-1, self.num_kv_heads, self.head_size)
+        """Copy blocks `ids` into the workspace: [len(ids), block_size * kvh * d]."""
+        return torch.index_select(cache_blocks, 0, ids, out=workspace[: ids.numel()])
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """One new token per request, all requests in one batched SDPA."""
-        b, bs = md.num_reqs, self.block_size
+    def _decode(self, q: torch.Tensor, layer_idx: int, md: AttentionMetadata) -> torch.Tensor:
+        """One new token per request, all requests in one batched attention."""
+        b, bs, kvh, d = md.num_reqs, self.block_size, self.num_kv_heads, self.head_size
         nb = -(-md.max_seq_len // bs)
-        block_ids = md.block_tables[:b, :nb]
-        k = self._gather(k_cache, self._ws_k, block_ids).view(b, nb * bs, self.num_kv_heads, -1)
-        v = self._gather(v_cache, self._ws_v, block_ids).view(b, nb * bs, self.num_kv_heads, -1)
+        k_blocks, v_blocks = self._block_view[layer_idx]
+        ids = md.block_tables[0, :nb] if b == 1 else md.block_tables[:b, :nb].reshape(-1)
+        # [b, kvh, S, d]: the layout both matmuls want.
+        k = self._gather(k_blocks, self._ws_k, ids).view(b, nb * bs, kvh, d).transpose(1, 2)
+        v = self._gather(v_blocks, self._ws_v, ids).view(b, nb * bs, kvh, d).transpose(1, 2)
         if b == 1:
-            length = md.max_seq_len
-            k, v, mask = k[:, :length], v[:, :length], None
-        else:
-            mask = (self._positions[: nb * bs] < md.seq_lens[:b, None]).view(b, 1, 1, nb * bs)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [b, h, 1, d]
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)
+            k, v = k[:, :, : md.max_seq_len], v[:, :, : md.max_seq_len]
+        # Grouped-query attention without repeating K/V: [b, kvh, group, d].
+        scores = torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
+        if b > 1:
+            beyond = self._positions[: nb * bs] >= md.seq_lens[:b, None]
+            scores.masked_fill_(beyond.view(b, 1, 1, -1), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return out.view(b, self.num_heads * d)
 
     def _mixed(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        md: AttentionMetadata,
-        out: torch.Tensor,
+        self, query: torch.Tensor, layer_idx: int, md: AttentionMetadata, out: torch.Tensor
     ) -> None:
-        """Any batch: one SDPA per request, causal with the context offset."""
-        h, d, bs = self.num_heads, self.head_size, self.block_size
+        """Any batch: one attention per request, causal with the context offset."""
+        h, kvh, d, bs = self.num_heads, self.num_kv_heads, self.head_size, self.block_size
+        k_blocks, v_blocks = self._block_view[layer_idx]
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         for i in range(md.num_reqs):
             start, end, length = qsl[i], qsl[i + 1], lens[i]
             q_len = end - start
-            nb = -(-length // bs)
-            block_ids = md.block_tables[i, :nb]
-            k = self._gather(k_cache, self._ws_k, block_ids)[:length]
-            v = self._gather(v_cache, self._ws_v, block_ids)[:length]
+            ids = md.block_tables[i, : -(-length // bs)]
+            k = self._gather(k_blocks, self._ws_k, ids).view(-1, kvh, d)[:length]
+            v = self._gather(v_blocks, self._ws_v, ids).view(-1, kvh, d)[:length]
             q = query[start:end].view(q_len, h, d).transpose(0, 1)
             mask = None
             if 1 < q_len < length:
@@ -150,9 +148,7 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
     """CUDA fallback in torch ops; graph-safe for uniform single-token decode only."""
 
     name: ClassVar[str] = "CUDA_TORCH_SDPA"
-    cudagraph_support: ClassVar[AttentionCGSupport] = (
-        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    )
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def forward(
         self,
@@ -166,24 +162,20 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
         if not (md.uniform_decode and torch.cuda.is_current_stream_capturing()):
             return super().forward(query, key, value, layer_idx, slot)
         # Captured decode: nothing here may depend on host values except shapes.
-        k_cache, v_cache = self.kv_caches[layer_idx]
-        t = query.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_size
+        t, kvh, d, bs = query.shape[0], self.num_kv_heads, self.head_size, self.block_size
+        k_slots, v_slots = self._slots_view[layer_idx]
+        k_blocks, v_blocks = self._block_view[layer_idx]
         # Padded rows (slot -1) write into the reserved null block 0, never read.
         slots = md.slot_mapping[:t].clamp(min=0)
-        k_cache.view(-1, kvh, d).index_copy_(0, slots, key.view(t, kvh, d))
-        v_cache.view(-1, kvh, d).index_copy_(0, slots, value.view(t, kvh, d))
+        k_slots.index_copy_(0, slots, key.view(t, kvh, d))
+        v_slots.index_copy_(0, slots, value.view(t, kvh, d))
         nb = self.max_blocks_per_seq
-        block_ids = md.block_tables[:t, :nb].clamp(min=0)
-        k = self._gather(k_cache, self._ws_k, block_ids).view(t, nb * self.block_size, kvh, d)
-        v = self._gather(v_cache, self._ws_v, block_ids).view(t, nb * self.block_size, kvh, d)
-        mask = (self._positions < md.seq_lens[:t, None]).view(t, 1, 1, -1)
-        out = F.scaled_dot_product_attention(
-            query.view(t, h, 1, d),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out.view(t, h * d)
+        ids = md.block_tables[:t, :nb].reshape(-1)
+        k = self._gather(k_blocks, self._ws_k, ids).view(t, nb * bs, kvh, d).transpose(1, 2)
+        v = self._gather(v_blocks, self._ws_v, ids).view(t, nb * bs, kvh, d).transpose(1, 2)
+        scores = torch.matmul(query.view(t, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
+        # Padded rows have length 0: let them see position 0 so softmax stays finite.
+        beyond = (self._positions >= md.seq_lens[:t, None]) & (self._positions > 0)
+        scores.masked_fill_(beyond.view(t, 1, 1, -1), float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        return out.view(t, self.num_heads * d)

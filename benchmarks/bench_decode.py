@@ -1,0 +1,176 @@
+"""Decode speed per graph mode, beside Hugging Face transformers, in one run.
+
+Measures on one model (stories260K by default):
+- batch-1 decode tokens/s per mode (time from the first to the last token of one
+  request generating --tokens tokens from BOS, EOS ignored);
+- the engine's own per-step work at batch 1 (step time minus model forward time);
+- start-up seconds, capture seconds and graph count per mode;
+- throughput of --num-requests requests x --batch-tokens tokens per mode;
+- transformers `generate()` at batch 1 and on the batched run, on the same weights.
+
+Prints a table and saves JSON under benchmarks/results/.
+
+    python benchmarks/bench_decode.py                       # every mode
+    python benchmarks/bench_decode.py --modes NONE FULL_DECODE_ONLY --skip-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from decodegraph import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
+def _decode_tps(llm: LLM, tokens: int, repeats: int) -> float:
+    """Best-of-`repeats` batch-1 decode tokens/s (first token to last)."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    rates = []
+    for _ in range(repeats):
+        out = llm.generate({"prompt_token_ids": [1]}, params, use_tqdm=False)[0]
+        m = out.metrics
+        rates.append((len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time))
+    return max(rates)
+
+
+def _step_overhead_us(llm: LLM, tokens: int) -> dict[str, float]:
+    """Median per-step time split into model forward and everything else, batch 1."""
+    engine = llm.llm_engine
+    runner = engine.runner
+    forward_times: list[float] = []
+    original = runner._forward
+
+    def timed(step):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        out = original(step)
+        forward_times.append(time.perf_counter() - start)
+        return out
+
+    runner._forward = timed
+    try:
+        engine.add_request(
+            "overhead",
+            {"prompt_token_ids": [1]},
+            SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+        )
+        step_times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - start)
+    finally:
+        runner._forward = original
+    step_times, forward_times = step_times[1:], forward_times[1:]  # drop the prefill step
+    step = statistics.median(step_times) * 1e6
+    forward = statistics.median(forward_times) * 1e6
+    return {"step_us": step, "forward_us": forward, "overhead_us": step - forward}
+
+
+def _throughput(llm: LLM, num_requests: int, tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1] + [(7 * i) % 400 + 30]} for i in range(num_requests)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+
+
+def _hf(model_dir: Path, tokens: int, num_requests: int, batch_tokens: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[1]])
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        b1 = tokens / (time.perf_counter() - start)
+        batch = torch.tensor([[1, (7 * i) % 400 + 30] for i in range(num_requests)])
+        start = time.perf_counter()
+        model.generate(batch, max_new_tokens=batch_tokens, min_new_tokens=batch_tokens, **kwargs)
+        batched = num_requests * batch_tokens / (time.perf_counter() - start)
+    return {"batch1_tokens_per_s": b1, "batched_tokens_per_s": batched}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--modes", nargs="+", default=MODES)
+    p.add_argument("--tokens", type=int, default=256, help="batch-1 decode length")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--batch-tokens", type=int, default=200)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--no-inductor", action="store_true", help="CPU graphs replay the raw trace")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_decode.json"))
+    args = p.parse_args()
+
+    results: dict[str, object] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+        "model": args.model,
+        "modes": {},
+    }
+    for mode in args.modes:
+        start = time.perf_counter()
+        llm = LLM(
+            args.model,
+            compilation_config={"cudagraph_mode": mode, "use_inductor": not args.no_inductor},
+        )
+        startup = time.perf_counter() - start
+        runner = llm.llm_engine.runner
+        row = {
+            "resolved_mode": runner.mode.name,
+            "startup_s": startup,
+            "capture_s": runner.capture_stats.seconds,
+            "num_graphs": runner.capture_stats.num_graphs,
+            "batch1_tokens_per_s": _decode_tps(llm, args.tokens, args.repeats),
+            **_step_overhead_us(llm, args.tokens),
+        }
+        if not args.skip_throughput:
+            row["batched_tokens_per_s"] = _throughput(llm, args.num_requests, args.batch_tokens)
+        results["modes"][mode] = row
+        print(mode, json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}))
+        del llm
+    if not args.skip_hf:
+        results["transformers"] = _hf(
+            Path(args.model), args.tokens, args.num_requests, args.batch_tokens
+        )
+        print("transformers", json.dumps(results["transformers"]))
+
+    print(f"\n{'mode':<20}{'b1 tok/s':>10}{'x NONE':>8}{'step us':>9}{'other us':>9}"
+          f"{'batched tok/s':>15}{'startup s':>11}{'graphs':>8}")
+    base = results["modes"].get("NONE", {}).get("batch1_tokens_per_s")
+    for mode, row in results["modes"].items():
+        ratio = row["batch1_tokens_per_s"] / base if base else float("nan")
+        print(
+            f"{mode:<20}{row['batch1_tokens_per_s']:>10.0f}{ratio:>8.2f}{row['step_us']:>9.0f}"
+            f"{row['overhead_us']:>9.0f}{row.get('batched_tokens_per_s', float('nan')):>15.0f}"
+            f"{row['startup_s']:>11.1f}{row['num_graphs']:>8}"
+        )
+    if "transformers" in results:
+        hf = results["transformers"]
+        print(f"{'transformers':<20}{hf['batch1_tokens_per_s']:>10.0f}{'':>8}{'':>9}{'':>9}"
+              f"{hf['batched_tokens_per_s']:>15.0f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nsaved {out}")
+
+
+if __name__ == "__main__":
+    main()
