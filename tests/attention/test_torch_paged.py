@@ -1,0 +1,283 @@
+"""The CPU paged-attention backend against a naive dense reference.
+
+Each case lays out real requests over a real paged KV cache (random, distinct block ids),
+writes their context, runs one step through the backend and compares every real row with
+softmax(q k^T * scale) v over the request's dense K/V (causal, with the context offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from decodegraph.attention.backends.base import EAGER_SLOT, AttentionMetadata
+from decodegraph.attention.backends.torch_paged import (
+    CPUAttentionBackend,
+    CUDATorchAttentionBackend,
+)
+from decodegraph.attention.forward_context import ForwardContext, set_forward_context
+from decodegraph.graphs.modes import AttentionCGSupport
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 32
+NUM_BLOCKS = 40
+MAX_NUM_REQS = 4
+NUM_LAYERS = 2
+
+
+@dataclass
+class Case:
+    backend: CPUAttentionBackend
+    metadata: AttentionMetadata
+    query: torch.Tensor  # [padded tokens, h * d]
+    key: torch.Tensor  # [padded tokens, kvh * d]
+    value: torch.Tensor
+    expected: torch.Tensor  # [real tokens, h * d]
+    slots: list[int]  # KV slots the real tokens write
+
+
+def make_backend(num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8) -> CPUAttentionBackend:
+    backend = CPUAttentionBackend(
+        num_heads, num_kv_heads, head_size, head_size**-0.5, BLOCK_SIZE, MAX_MODEL_LEN
+    )
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size)
+    backend.bind_kv_caches(
+        [(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)]
+    )
+    backend.allocate_workspace(MAX_NUM_REQS, torch.float32, torch.device("cpu"))
+    return backend
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float
+) -> torch.Tensor:
+    """q [q_len, h, d] at positions context.., k/v [length, kvh, d] -> [q_len, h * d]."""
+    q_len, h, d = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    q_pos = torch.arange(context, context + q_len)[:, None]
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, h * d)
+
+
+def make_case(
+    backend: CPUAttentionBackend,
+    reqs: list[tuple[int, int]],
+    layer_idx: int = 0,
+    pad_tokens: int = 0,
+    pad_reqs: int = 0,
+    seed: int = 0,
+) -> Case:
+    """`reqs` holds (context already cached, new tokens) per request."""
+    gen = torch.Generator().manual_seed(seed)
+    h, kvh, d, bs = backend.num_heads, backend.num_kv_heads, backend.head_size, BLOCK_SIZE
+    k_cache, v_cache = backend.kv_caches[layer_idx]
+    # Block 0 is the reserved null block; the others go out shuffled.
+    free = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    num_reqs, num_tokens = len(reqs), sum(n for _, n in reqs)
+    padded_reqs, padded_tokens = num_reqs + pad_reqs, num_tokens + pad_tokens
+    block_tables = torch.zeros(padded_reqs, backend.max_blocks_per_seq, dtype=torch.int32)
+    seq_lens = torch.zeros(padded_reqs, dtype=torch.int32)
+    qsl = [0]
+    slot_mapping = torch.full((padded_tokens,), -1, dtype=torch.int64)
+    query = torch.randn(padded_tokens, h * d, generator=gen)
+    key = torch.randn(padded_tokens, kvh * d, generator=gen)
+    value = torch.randn(padded_tokens, kvh * d, generator=gen)
+    expected, slots = [], []
+    for i, (context, n) in enumerate(reqs):
+        length = context + n
+        blocks = [free.pop() for _ in range(-(-length // bs))]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        seq_lens[i] = length
+        start = qsl[-1]
+        qsl.append(start + n)
+        req_slots = [blocks[p // bs] * bs + p % bs for p in range(length)]
+        k_dense = torch.randn(length, kvh, d, generator=gen)
+        v_dense = torch.randn(length, kvh, d, generator=gen)
+        for p in range(context):  # the cached context
+            k_cache.view(-1, kvh, d)[req_slots[p]] = k_dense[p]
+            v_cache.view(-1, kvh, d)[req_slots[p]] = v_dense[p]
+        key[start : start + n] = k_dense[context:].reshape(n, kvh * d)
+        value[start : start + n] = v_dense[context:].reshape(n, kvh * d)
+        slot_mapping[start : start + n] = torch.tensor(req_slots[context:])
+        slots += req_slots[context:]
+        q = query[start : start + n].view(n, h, d)
+        expected.append(reference(q, k_dense, v_dense, context, backend.scale))
+    uniform = all(n == 1 for _, n in reqs)
+    qsl_padded = qsl + [num_tokens] * pad_reqs
+    metadata = AttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=num_tokens,
+        max_query_len=max(n for _, n in reqs),
+        max_seq_len=max(c + n for c, n in reqs),
+        uniform_decode=uniform,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=[c + n for c, n in reqs],
+        query_start_loc=torch.tensor(qsl_padded, dtype=torch.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+    )
+    return Case(backend, metadata, query, key, value, torch.cat(expected), slots)
+
+
+def run(case: Case, layer_idx: int = 0) -> torch.Tensor:
+    """One step through the registered op, as a model calls it."""
+    case.backend.set_eager_metadata(case.metadata)
+    with set_forward_context(ForwardContext(case.backend, EAGER_SLOT)):
+        return torch.ops.decodegraph.unified_attention(
+            case.query, case.key, case.value, layer_idx, EAGER_SLOT
+        )
+
+
+def check(case: Case, out: torch.Tensor) -> None:
+    n = case.metadata.num_actual_tokens
+    assert out.shape == case.query.shape
+    torch.testing.assert_close(out[:n], case.expected, rtol=1e-5, atol=1e-5)
+
+
+GQA = [(4, 4), (4, 2), (4, 1), (6, 3)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
+def test_prefill_is_causal(num_heads: int, num_kv_heads: int) -> None:
+    case = make_case(make_backend(num_heads, num_kv_heads), [(0, 7)])
+    check(case, run(case))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
+@pytest.mark.parametrize("context, chunk", [(5, 6), (4, 4), (1, 2), (9, 1), (12, 20)])
+def test_chunked_prefill_attends_over_the_context_offset(
+    num_heads: int, num_kv_heads: int, context: int, chunk: int
+) -> None:
+    case = make_case(make_backend(num_heads, num_kv_heads), [(context, chunk)])
+    check(case, run(case))
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
+@pytest.mark.parametrize("lengths", [[1], [13], [32], [1, 5, 13, 9], [32, 2, 17], [4, 4]])
+def test_decode_batch_with_different_lengths(
+    num_heads: int, num_kv_heads: int, lengths: list[int]
+) -> None:
+    case = make_case(make_backend(num_heads, num_kv_heads), [(n - 1, 1) for n in lengths])
+    assert case.metadata.uniform_decode
+    check(case, run(case))
+
+
+def test_mixed_batch_of_decodes_chunks_and_prefills() -> None:
+    case = make_case(make_backend(), [(6, 1), (0, 5), (3, 4), (10, 1), (0, 1)])
+    assert not case.metadata.uniform_decode
+    check(case, run(case))
+
+
+def test_each_layer_has_its_own_cache() -> None:
+    backend = make_backend()
+    case = make_case(backend, [(3, 2)], layer_idx=1)
+    check(case, run(case, layer_idx=1))
+    assert not backend.kv_caches[0][0].any(), "layer 0's cache was written by layer 1"
+
+
+@pytest.mark.parametrize(
+    "reqs, pad_reqs",
+    [([(4, 1), (9, 1), (0, 1)], 1), ([(12, 1)], 1), ([(2, 1), (5, 1)], 6)],
+    ids=["3-to-4", "1-to-2", "2-to-8"],
+)
+def test_padded_decode_rows_write_no_kv_and_leave_real_rows_alone(
+    reqs: list[tuple[int, int]], pad_reqs: int
+) -> None:
+    backend = make_backend()
+    case = make_case(backend, reqs, pad_tokens=pad_reqs, pad_reqs=pad_reqs)
+    before = [t.clone() for pair in backend.kv_caches for t in pair]
+    out = run(case)
+    check(case, out)
+    assert torch.isfinite(out).all()
+    _assert_only_slots_written(backend, before, case.slots)
+
+
+def test_padded_mixed_rows_write_no_kv_and_leave_real_rows_alone() -> None:
+    backend = make_backend()
+    case = make_case(backend, [(3, 4), (0, 2)], pad_tokens=2)
+    before = [t.clone() for pair in backend.kv_caches for t in pair]
+    out = run(case)
+    check(case, out)
+    assert torch.isfinite(out).all()
+    _assert_only_slots_written(backend, before, case.slots)
+
+
+def _assert_only_slots_written(
+    backend: CPUAttentionBackend, before: list[torch.Tensor], slots: list[int]
+) -> None:
+    kvh, d = backend.num_kv_heads, backend.head_size
+    k_after, v_after = backend.kv_caches[0]
+    for old, new in zip(before[:2], (k_after, v_after), strict=True):
+        changed = (old.view(-1, kvh, d) != new.view(-1, kvh, d)).any(-1).any(-1)
+        assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots)
+    for old, new in zip(before[2:], [t for pair in backend.kv_caches[1:] for t in pair], strict=True):
+        assert torch.equal(old, new), "another layer's cache changed"
+
+
+def test_kv_of_the_new_tokens_lands_in_their_slots() -> None:
+    backend = make_backend()
+    case = make_case(backend, [(2, 3), (0, 1)])
+    run(case)
+    k_cache, v_cache = backend.kv_caches[0]
+    n, kvh, d = case.metadata.num_actual_tokens, backend.num_kv_heads, backend.head_size
+    slots = torch.tensor(case.slots)
+    torch.testing.assert_close(k_cache.view(-1, kvh, d)[slots], case.key[:n].view(n, kvh, d))
+    torch.testing.assert_close(v_cache.view(-1, kvh, d)[slots], case.value[:n].view(n, kvh, d))
+
+
+def _tensor_addresses(backend: CPUAttentionBackend) -> dict[str, int]:
+    return {k: v.data_ptr() for k, v in vars(backend).items() if isinstance(v, torch.Tensor)}
+
+
+def test_workspace_is_allocated_once_and_reused_at_full_length() -> None:
+    """Every request at max_model_len, the largest batch: no new allocation."""
+    backend = make_backend()
+    addresses = _tensor_addresses(backend)
+    assert addresses, "the backend holds no workspace tensors"
+    lengths = [MAX_MODEL_LEN] * MAX_NUM_REQS
+    for reqs in ([(n - 1, 1) for n in lengths], [(MAX_MODEL_LEN - 8, 8)] * 2):
+        case = make_case(backend, reqs)
+        check(case, run(case))
+        assert _tensor_addresses(backend) == addresses
+
+
+def test_update_graph_params_refreshes_host_values_and_keeps_tensor_views() -> None:
+    backend = make_backend()
+    captured = make_case(backend, [(0, 1), (0, 1)]).metadata
+    slot = backend.new_graph_slot(captured)
+    assert slot != EAGER_SLOT
+    views = {f: getattr(captured, f) for f in ("seq_lens", "block_tables", "slot_mapping")}
+    step = make_case(backend, [(7, 1), (3, 1)], seed=1).metadata
+    backend.update_graph_params(slot, step)
+    target = backend.slots[slot]
+    for name in AttentionMetadata.HOST_FIELDS:
+        assert getattr(target, name) == getattr(step, name), name
+    for name, tensor in views.items():
+        assert getattr(target, name) is tensor, f"{name} must keep its capture-time view"
+
+
+def test_a_graph_slot_is_independent_of_the_eager_slot() -> None:
+    backend = make_backend()
+    graph_case = make_case(backend, [(5, 1)])
+    slot = backend.new_graph_slot(graph_case.metadata)
+    eager_case = make_case(backend, [(0, 3)], seed=2)
+    backend.set_eager_metadata(eager_case.metadata)
+    with set_forward_context(ForwardContext(backend, slot)):
+        out = torch.ops.decodegraph.unified_attention(
+            graph_case.query, graph_case.key, graph_case.value, 0, slot
+        )
+    check(graph_case, out)
+
+
+def test_backends_declare_their_graph_support() -> None:
+    assert CPUAttentionBackend.cudagraph_support is AttentionCGSupport.ALWAYS
+    assert (
+        CUDATorchAttentionBackend.cudagraph_support
+        is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
