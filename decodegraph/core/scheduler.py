@@ -264,6 +264,8 @@ class Scheduler:
                     new_logprobs=[req_logprobs] if req_logprobs is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
+                    first_scheduled_time=request.first_scheduled_time,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         if stopped:

@@ -52,6 +52,8 @@ class _ParentState:
     child_ids: list[str]
     metrics: RequestMetrics
     num_unfinished: int
+    # Prompt tokens served from the prefix cache (the first sequence's, as scheduled).
+    num_cached_tokens: int | None = None
 
 
 class OutputProcessor:
@@ -161,6 +163,10 @@ class OutputProcessor:
         told to stop it)."""
         params = parent.params
         new_ids = out.new_token_ids
+        if parent.metrics.first_scheduled_time is None:
+            parent.metrics.first_scheduled_time = out.first_scheduled_time
+        if parent.num_cached_tokens is None and out.first_scheduled_time is not None:
+            parent.num_cached_tokens = out.num_cached_tokens
         if new_ids:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
@@ -223,6 +229,7 @@ class OutputProcessor:
             outputs=[self._completion(child, delta) for child in children],
             finished=finished,
             metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens or 0,
         )
 
     def _completion(self, child: _ChildState, delta: bool) -> CompletionOutput:

@@ -113,3 +113,7 @@ class EngineCoreOutput:
     # Set when the scheduler finished the request (EOS, stop token, length, abort).
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The request's first scheduling time and prompt tokens found in the prefix cache
+    # then; both are fixed from the first output on (they feed `RequestOutput`).
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
