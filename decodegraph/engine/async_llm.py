@@ -1,0 +1,313 @@
+"""`AsyncLLM`: an asyncio front for the synchronous `LLMEngine`.
+
+The engine is not thread-safe, so every engine call (add_request, abort_request, step,
+get_stats) runs on one dedicated engine thread. The asyncio side posts commands to it
+through a queue; the thread steps while there is work and sleeps on the queue when idle.
+After each step it routes the outputs to per-request asyncio queues with one
+`call_soon_threadsafe` per event loop, so a step of 64 requests wakes the loop once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from decodegraph.metrics import EngineMetrics
+from decodegraph.outputs import RequestOutput
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Refresh the stats snapshot behind /metrics at most this often while busy.
+_STATS_INTERVAL_S = 0.05
+# Exceptions from add_request that mean "this request is bad", not "the engine is broken".
+_BAD_REQUEST_ERRORS = (ValueError, TypeError, OverflowError)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed in a step; no request can be served any more."""
+
+
+@dataclass(eq=False)
+class _RequestStream:
+    """One request's way back to its caller: a queue on the caller's event loop."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    output_kind: RequestOutputKind
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Engine-thread bookkeeping for the latency histograms.
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens_seen: int = 0
+
+
+_ACCEPTED = object()
+
+
+class AsyncLLM:
+    """Serve many concurrent asyncio callers from one `LLMEngine` on its own thread."""
+
+    def __init__(self, engine: Any, *, start: bool = True) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.metrics = EngineMetrics(str(self.model_config.served_model_name),
+                                     lambda: self._latest_stats)
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        # Touched by the engine thread only.
+        self._streams: dict[str, _RequestStream] = {}
+        self._latest_stats: Any = None
+        self._last_stats_time = 0.0
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._engine_loop, name="decodegraph-engine",
+                                        daemon=True)
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> AsyncLLM:
+        """Build the engine from `EngineArgs` and start its thread."""
+        from decodegraph.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(engine_args))
+
+    # --- asyncio side ----------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine thread has died (a step raised) or was shut down."""
+        return self._dead is not None or not self._thread.is_alive()
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` unless the engine thread is alive and well."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine failed: {self._dead!r}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine thread is not running")
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                          params: SamplingParams) -> _RequestStream:
+        """Submit a request and wait until the engine accepted it.
+
+        Raises ValueError (and TypeError/OverflowError) from the engine for a bad request;
+        only this caller sees it. Iterate the result with `stream_outputs`.
+        """
+        self.check_health()
+        stream = _RequestStream(request_id, asyncio.get_running_loop(), params.output_kind)
+        self._commands.put(("add", stream, prompt, params))
+        try:
+            ack = await stream.queue.get()
+        except asyncio.CancelledError:
+            # The client left while we waited; the request may be in the engine already.
+            self._commands.put(("abort", [request_id]))
+            raise
+        if ack is not _ACCEPTED:
+            raise ack
+        return stream
+
+    async def stream_outputs(self, stream: _RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; closing early aborts it."""
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            # Runs on cancellation (client disconnect) and on aclose() as well; the abort
+            # is a plain queue put so it works even while the task is being cancelled.
+            if not finished:
+                self._commands.put(("abort", [stream.request_id]))
+
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs (use `RequestOutputKind.DELTA` to stream).
+
+        A bad request raises ValueError on the first iteration. If the caller stops
+        iterating (disconnect, cancellation), the request is aborted and its KV blocks freed.
+        """
+        stream = await self.add_request(request_id, prompt, params)
+        async for output in self.stream_outputs(stream):
+            yield output
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests by id (unknown or finished ids are ignored)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._commands.put(("abort", ids))
+
+    async def get_stats(self) -> Any:
+        """Exact engine stats, read on the engine thread."""
+        self.check_health()
+        fut: Future = Future()
+        self._commands.put(("stats", fut))
+        return await asyncio.wrap_future(fut)
+
+    def get_stats_sync(self, timeout: float = 10.0) -> Any:
+        """`get_stats` for callers outside any event loop (tests, benchmarks)."""
+        self.check_health()
+        fut: Future = Future()
+        self._commands.put(("stats", fut))
+        return fut.result(timeout)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (pending requests are aborted) and wait for it."""
+        if self._thread.is_alive():
+            self._commands.put(("shutdown",))
+            self._thread.join(timeout)
+
+    # --- engine thread ---------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        engine = self.engine
+        try:
+            self._latest_stats = engine.get_stats()
+            while not self._stopped:
+                # Sleep on the queue only when there is nothing to step.
+                busy = engine.has_unfinished_requests()
+                try:
+                    cmd = self._commands.get(block=not busy)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    self._handle(cmd)
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if self._stopped:
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    self._route(outputs)
+                    self._refresh_stats(force=False)
+                else:
+                    self._refresh_stats(force=True)
+        except BaseException as e:  # noqa: BLE001 - any step failure kills the engine
+            logger.exception("engine loop failed; failing every request")
+            self._dead = e
+            self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+            self._fail_pending_commands()
+            return
+        self._dead = EngineDeadError("engine was shut down")
+        try:
+            engine.abort_request(list(self._streams))
+        except Exception:  # noqa: BLE001 - best effort on shutdown
+            logger.exception("abort on shutdown failed")
+        self._fail_all(EngineDeadError("engine was shut down"))
+        self._fail_pending_commands()
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, stream, prompt, params = cmd
+            try:
+                self.engine.add_request(stream.request_id, prompt, params,
+                                        arrival_time=stream.arrival_time)
+            except _BAD_REQUEST_ERRORS as e:
+                self._post(stream, e)
+                return
+            except Exception as e:  # noqa: BLE001 - an engine bug in one request's intake
+                logger.exception("add_request(%s) failed", stream.request_id)
+                self._post(stream, RuntimeError(f"could not add request: {e!r}"))
+                return
+            self._streams[stream.request_id] = stream
+            self._post(stream, _ACCEPTED)
+        elif kind == "abort":
+            ids = [rid for rid in cmd[1] if rid in self._streams]
+            if ids:
+                self.engine.abort_request(ids)
+                for rid in ids:
+                    del self._streams[rid]
+        elif kind == "stats":
+            fut: Future = cmd[1]
+            try:
+                fut.set_result(self.engine.get_stats())
+            except Exception as e:  # noqa: BLE001 - hand the error to the caller
+                fut.set_exception(e)
+        elif kind == "shutdown":
+            self._stopped = True
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Deliver a step's outputs: one wake-up per event loop, metrics on the way."""
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            self._observe(stream, out, now)
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in batches.items():
+            self._call_soon(loop, _deliver, items)
+
+    def _observe(self, stream: _RequestStream, out: RequestOutput, now: float) -> None:
+        total = sum(len(c.token_ids) for c in out.outputs)
+        if stream.output_kind == RequestOutputKind.DELTA:
+            new = total
+        else:  # CUMULATIVE (FINAL_ONLY shows up once: its latencies are not per token)
+            new = total - stream.num_tokens_seen
+            stream.num_tokens_seen = total
+        metrics = self.metrics
+        if new > 0:
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                metrics.time_to_first_token.observe(now - stream.arrival_time)
+            else:
+                metrics.inter_token_latency.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+        if out.finished:
+            metrics.e2e_request_latency.observe(now - stream.arrival_time)
+
+    def _refresh_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._last_stats_time >= _STATS_INTERVAL_S:
+            self._latest_stats = self.engine.get_stats()
+            self._last_stats_time = now
+
+    def _post(self, stream: _RequestStream, item: Any) -> None:
+        self._call_soon(stream.loop, stream.queue.put_nowait, item)
+
+    @staticmethod
+    def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass  # that caller's loop is closed: nobody is listening any more
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            self._post(stream, error)
+        self._streams.clear()
+
+    def _fail_pending_commands(self) -> None:
+        error = EngineDeadError("engine is not running")
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._post(cmd[1], error)
+            elif cmd[0] == "stats":
+                cmd[1].set_exception(error)
+
+
+def _deliver(items: list[tuple[_RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)

@@ -1,0 +1,193 @@
+"""POST /v1/chat/completions: messages through the chat template, plain and streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from decodegraph.engine.async_llm import AsyncLLM, EngineDeadError
+from decodegraph.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobToken,
+    ChatResponseMessage,
+    ChatTopLogprob,
+    DeltaMessage,
+    UsageInfo,
+    random_uuid,
+)
+from decodegraph.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    error_body,
+    merge_streams,
+    sse,
+    until_disconnect,
+)
+from decodegraph.outputs import CompletionOutput, RequestOutput
+from decodegraph.sampling_params import RequestOutputKind
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file path, or the Jinja template itself (as vLLM)."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass  # a template string too long to be a file name
+    return value
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handler of /v1/chat/completions."""
+
+    def __init__(self, async_llm: AsyncLLM, served_model_names: list[str],
+                 chat_template: str | None = None) -> None:
+        super().__init__(async_llm, served_model_names)
+        self.chat_template = chat_template
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        """Render the conversation, submit it, answer plain or streamed."""
+        self.check_model(request.model)
+        if request.top_logprobs and not request.logprobs:
+            raise OpenAIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
+        prompt = self._render(request)
+        params = self.build_params(request.to_sampling_params, RequestOutputKind.DELTA)
+        request_id = f"chatcmpl-{random_uuid()}"
+        streams = await self.submit(request_id, [prompt], params)
+        outputs = merge_streams(streams)
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, outputs),
+                                     media_type="text/event-stream")
+        return await until_disconnect(raw_request, self._full(request, request_id, outputs))
+
+    def _render(self, request: ChatCompletionRequest) -> str:
+        messages = []
+        for k, m in enumerate(request.messages):
+            if isinstance(m.content, list):
+                parts = []
+                for part in m.content:
+                    if part.type != "text" or part.text is None:
+                        raise OpenAIError(
+                            f"messages[{k}].content: only text parts are supported, "
+                            f"got type {part.type!r}", 400, "messages")
+                    parts.append(part.text)
+                content = "\n".join(parts)
+            else:
+                content = m.content or ""
+            messages.append({"role": m.role, "content": content})
+        try:
+            return self.async_llm.engine.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt,
+                chat_template=self.chat_template)
+        except ValueError as e:
+            # The engine's message for a tokenizer without a template; say how to fix it.
+            raise OpenAIError(
+                f"messages: this model has no chat template ({e}); start the server with "
+                "--chat-template FILE_OR_STRING", 400, "messages") from None
+        except Exception as e:  # noqa: BLE001 - Jinja errors (raise_exception, bad roles)
+            raise OpenAIError(f"messages: the chat template failed: {e}", 400,
+                              "messages") from None
+
+    def _logprobs(self, c: CompletionOutput, top_n: int) -> ChatChoiceLogprobs | None:
+        if c.logprobs is None:
+            return None
+        content = []
+        for token_id, top in zip(c.token_ids, c.logprobs, strict=False):
+            sampled = top.get(token_id)
+            text = self.token_text(token_id, sampled)
+            ranked = sorted(top.items(), key=lambda kv: (
+                kv[1].rank if kv[1].rank is not None else 0, -kv[1].logprob))[:top_n]
+            content.append(ChatLogprobToken(
+                token=text, logprob=sampled.logprob if sampled is not None else float("-inf"),
+                bytes=list(text.encode()),
+                top_logprobs=[ChatTopLogprob(token=(t := self.token_text(tid, lp)),
+                                             logprob=lp.logprob, bytes=list(t.encode()))
+                              for tid, lp in ranked]))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _full(self, request: ChatCompletionRequest, request_id: str,
+                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
+        n = request.n
+        texts = [""] * n
+        lps: list[ChatChoiceLogprobs | None] = [None] * n
+        finish: list[tuple[str | None, int | str | None]] = [(None, None)] * n
+        num_tokens = [0] * n
+        prompt_tokens = 0
+        top_n = request.top_logprobs or 0
+        try:
+            async for _, out in outputs:
+                prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    texts[c.index] += c.text
+                    num_tokens[c.index] += len(c.token_ids)
+                    new = self._logprobs(c, top_n)
+                    if new is not None:
+                        if lps[c.index] is None:
+                            lps[c.index] = ChatChoiceLogprobs(content=[])
+                        lps[c.index].content.extend(new.content)
+                    if c.finish_reason is not None:
+                        finish[c.index] = (c.finish_reason, c.stop_reason)
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), 503) from None
+        completion_tokens = sum(num_tokens)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name,
+            choices=[ChatCompletionResponseChoice(
+                index=k, message=ChatResponseMessage(content=texts[k]), logprobs=lps[k],
+                finish_reason=finish[k][0], stop_reason=finish[k][1]) for k in range(n)],
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        created = int(time.time())
+        top_n = request.top_logprobs or 0
+
+        def chunk(choices: list[ChatCompletionStreamChoice],
+                  usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created,
+                                                    model=self.model_name, choices=choices,
+                                                    usage=usage))
+
+        # The role comes first, in a chunk of its own per choice (as OpenAI sends it).
+        for k in range(request.n):
+            yield chunk([ChatCompletionStreamChoice(
+                index=k, delta=DeltaMessage(role="assistant", content=""))])
+        prompt_tokens = 0
+        completion_tokens = 0
+        try:
+            async for _, out in outputs:
+                prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    yield chunk([ChatCompletionStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text),
+                        logprobs=self._logprobs(c, top_n) if request.logprobs else None,
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        except EngineDeadError as e:
+            yield sse(error_body(str(e), 503))
+            yield SSE_DONE
+            return
+        finally:
+            await outputs.aclose()
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
+                                      completion_tokens=completion_tokens,
+                                      total_tokens=prompt_tokens + completion_tokens))
+        yield SSE_DONE
