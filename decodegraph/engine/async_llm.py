@@ -191,11 +191,9 @@ class AsyncLLM:
                 if self._stopped:
                     break
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._route(outputs)
-                    self._refresh_stats(force=False)
-                else:
-                    self._refresh_stats(force=True)
+                    self._route(engine.step())
+                # Always refresh on going idle, or /metrics would show the last busy state.
+                self._refresh_stats(force=not engine.has_unfinished_requests())
         except BaseException as e:  # noqa: BLE001 - any step failure kills the engine
             logger.exception("engine loop failed; failing every request")
             self._dead = e
