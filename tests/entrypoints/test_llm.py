@@ -49,7 +49,6 @@ def test_request_output_carries_prompt_ids_finish_reason_and_timings(llm: LLM) -
     completion = out.outputs[0]
     assert completion.index == 0 and len(completion.token_ids) == 32
     assert completion.finish_reason == "length" and completion.stop_reason is None
-    assert completion.text == llm.get_tokenizer().decode(completion.token_ids)
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
     assert m.first_token_time <= m.last_token_time <= m.finished_time
@@ -74,6 +73,23 @@ def test_text_and_token_id_prompts_are_the_same_request(llm: LLM) -> None:
     )
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_ids.outputs[0].token_ids == by_list.outputs[0].token_ids
+
+
+def test_streamed_text_equals_decoding_prompt_and_output_for_multibyte_text(llm: LLM) -> None:
+    # Hot sampling draws byte-fallback tokens; multi-byte prompts start mid-character runs.
+    tok = llm.get_tokenizer()
+    prompts = ["Ünïcödé 🍕 café", "日本", 'Lily said "hi', "The cat"]
+    params = [SamplingParams(temperature=3.0, seed=s, max_tokens=40) for s in range(8)]
+    outs = llm.generate([prompts[i % 4] for i in range(8)], params, use_tqdm=False)
+    num_byte_tokens = 0
+    for out in outs:
+        completion = out.outputs[0]
+        num_byte_tokens += sum(3 <= t < 259 for t in completion.token_ids)
+        prompt_text = tok.decode(out.prompt_token_ids, skip_special_tokens=True)
+        full = tok.decode(out.prompt_token_ids + completion.token_ids, skip_special_tokens=True)
+        assert full.startswith(prompt_text)
+        assert completion.text == full[len(prompt_text) :]
+    assert num_byte_tokens > 0
 
 
 def test_seeded_sampling_reproduces_across_calls_and_batch_compositions(llm: LLM) -> None:
