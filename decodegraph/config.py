@@ -141,6 +141,8 @@ class CompilationConfig:
     cudagraph_num_of_warmups: int = 1
     # CPU graphs: compile the traced graph with Inductor (False: replay the trace as is).
     use_inductor: bool = True
+    # Inductor options for CPU graphs (torch._inductor.config names), as vLLM's field.
+    inductor_compile_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:

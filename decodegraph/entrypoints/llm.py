@@ -12,9 +12,19 @@ from tqdm import tqdm
 from decodegraph.engine.arg_utils import EngineArgs
 from decodegraph.engine.llm_engine import LLMEngine, PromptType
 from decodegraph.outputs import RequestOutput
-from decodegraph.sampling_params import SamplingParams
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """Offline generation returns finished outputs only (as vLLM's LLM does), so the
+    engine builds no per-step outputs."""
+    if params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    final = params.clone()
+    final.output_kind = RequestOutputKind.FINAL_ONLY
+    return final
 
 
 class LLM:
@@ -50,9 +60,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+            params_list = [_final_only(sampling_params)] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = [_final_only(p) for p in sampling_params]
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"

@@ -34,7 +34,9 @@ class Graph:
     def check_addresses(self, inputs: Sequence[torch.Tensor]) -> None:
         addresses = [t.data_ptr() for t in inputs]
         if addresses != self._addresses:
-            bad = [i for i, (a, b) in enumerate(zip(addresses, self._addresses, strict=True)) if a != b]
+            bad = [
+                i for i, (a, b) in enumerate(zip(addresses, self._addresses, strict=True)) if a != b
+            ]
             raise InputAddressError(
                 f"graph {self.name}: inputs {bad} are not at their capture-time addresses"
             )
@@ -57,16 +59,19 @@ def trace(fn: GraphFn, inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
 
 
 def compile_with_inductor(
-    gm: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    options: dict[str, object] | None = None,
 ) -> Callable[..., object]:
     """Compile a traced graph with Inductor (no dynamo front end involved)."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
     # make_fx leaves fake values made under separate fake modes; Inductor wants one.
     for node in gm.graph.nodes:
         node.meta.pop("val", None)
         node.meta.pop("tensor_meta", None)
-    with torch.no_grad():
+    with torch.no_grad(), inductor_config.patch(options or {}):
         return compile_fx(gm, list(inputs))
 
 
@@ -78,12 +83,17 @@ class CpuGraph(Graph):
     """
 
     def __init__(
-        self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], use_inductor: bool
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        use_inductor: bool,
+        inductor_options: dict[str, object] | None = None,
     ) -> None:
         super().__init__(name, inputs)
         self.graph_module = trace(fn, inputs)
         if use_inductor:
-            self._callable = compile_with_inductor(self.graph_module, inputs)
+            self._callable = compile_with_inductor(self.graph_module, inputs, inductor_options)
         else:
             self._callable = self.graph_module
         # One run now, so a failure shows at start-up and compiled code is warm.

@@ -42,11 +42,20 @@ class CaptureStats:
 class GraphManager:
     """Holds the captured graphs, keyed by (runtime mode, batch descriptor)."""
 
-    def __init__(self, kind: str, compilation_config: CompilationConfig) -> None:
+    def __init__(
+        self,
+        kind: str,
+        compilation_config: CompilationConfig,
+        inductor_options: dict[str, object] | None = None,
+    ) -> None:
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"graph kind {kind!r} is not cpu or cuda")
         self.kind = kind
         self.config = compilation_config
+        self.inductor_options = {
+            **(inductor_options or {}),
+            **compilation_config.inductor_compile_config,
+        }
         self.graphs: dict[GraphKey, Graph | PiecewiseGraph] = {}
         self.closed = False
         self.stats = CaptureStats()
@@ -78,7 +87,7 @@ class GraphManager:
     def _full(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> Graph:
         if self.kind == "cuda":
             return CudaGraph(name, fn, inputs, self._pool, self.config.cudagraph_num_of_warmups)
-        return CpuGraph(name, fn, inputs, self.config.use_inductor)
+        return CpuGraph(name, fn, inputs, self.config.use_inductor, self.inductor_options)
 
     def _piecewise(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> PiecewiseGraph:
         if self.kind == "cuda":
@@ -90,7 +99,9 @@ class GraphManager:
                 )
 
             return PiecewiseGraph(name, fn, inputs, make_piece)
-        return PiecewiseGraph(name, fn, inputs, cpu_piece_factory(self.config.use_inductor))
+        return PiecewiseGraph(
+            name, fn, inputs, cpu_piece_factory(self.config.use_inductor, self.inductor_options)
+        )
 
     def replay(
         self, mode: RuntimeMode, key: BatchDescriptor, inputs: Sequence[torch.Tensor]

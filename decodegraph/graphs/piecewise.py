@@ -126,12 +126,14 @@ class _CompiledPiece(torch.nn.Module):
         return self._compiled(*args)
 
 
-def cpu_piece_factory(use_inductor: bool) -> Callable[[torch.fx.GraphModule, tuple], object]:
+def cpu_piece_factory(
+    use_inductor: bool, inductor_options: dict[str, object] | None = None
+) -> Callable[[torch.fx.GraphModule, tuple], object]:
     """Pieces for CPU: Inductor-compiled, or the traced piece replayed as is."""
 
     def make(piece: torch.fx.GraphModule, args: tuple) -> object:
         if not use_inductor:
             return piece
-        return _CompiledPiece(compile_with_inductor(piece, args))
+        return _CompiledPiece(compile_with_inductor(piece, args, inductor_options))
 
     return make

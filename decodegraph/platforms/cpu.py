@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import ClassVar
 
+import torch
+
 from decodegraph.attention.backends.base import AttentionBackend
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.platforms.base import Platform
@@ -21,6 +23,21 @@ class CpuPlatform(Platform):
     graph_capture_kind: ClassVar[str | None] = "cpu"
     # Each CPU graph is compiled (seconds per size), so capture few sizes.
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8, 16]
+    # The C++ wrapper calls kernels without a Python frame each: ~15% off a
+    # stories260K decode step (measured, docs/performance.md).
+    default_inductor_options: ClassVar[dict[str, object]] = {"cpp_wrapper": True}
+
+    def configure_process(self) -> None:
+        """Intra-op threads: DECODEGRAPH_CPU_THREADS, else all cores but one.
+
+        A decode step is hundreds of tiny ops; an OpenMP team whose other thread is
+        descheduled (the core busy with the API server, tokenizer or another process)
+        turns each op's barrier into a scheduler time slice: measured here, 1 thread ran
+        stories260K decode at ~1,050 tokens/s and 2 threads at 45-90 on a busy machine.
+        """
+        threads = os.environ.get("DECODEGRAPH_CPU_THREADS")
+        n = int(threads) if threads else max(1, (os.cpu_count() or 2) - 1)
+        torch.set_num_threads(n)
 
     def attention_backend_cls(self) -> type[AttentionBackend]:
         return CPUAttentionBackend

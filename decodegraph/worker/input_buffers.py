@@ -46,16 +46,28 @@ class InputBuffers:
             (max_num_reqs, max_blocks_per_seq), torch.int32, device, 0
         )
         self.logits_indices = PersistentBuffer((max_num_reqs,), torch.int64, device, 0)
-        # How many block-table columns each row had filled last time (stale-tail clearing).
+        # Per row: which request wrote it and how many columns (stale-tail clearing, and
+        # skipping rewrites: a decoding request's table changes once per block).
         self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.row_owner: list[str | None] = [None] * max_num_reqs
 
-    def write_block_row(self, row: int, block_ids: list[int]) -> None:
+    def write_block_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
         n = len(block_ids)
+        prev = int(self.row_blocks[row])
+        if self.row_owner[row] == request_id and prev == n:
+            return  # a running request's blocks only grow at the tail: nothing changed
         bt = self.block_tables.np
         bt[row, :n] = block_ids
-        if self.row_blocks[row] > n:
-            bt[row, n : self.row_blocks[row]] = 0
+        if prev > n:
+            bt[row, n:prev] = 0
         self.row_blocks[row] = n
+        self.row_owner[row] = request_id
+
+    def forget(self, request_ids: set[str]) -> None:
+        """Rows of preempted requests must be rewritten: their blocks were replaced."""
+        for row, owner in enumerate(self.row_owner):
+            if owner in request_ids:
+                self.row_owner[row] = None
 
     def clear_block_rows(self, start: int, end: int) -> None:
         """Padded rows point at the null block only."""
@@ -63,6 +75,7 @@ class InputBuffers:
         if stale.any():
             self.block_tables.np[start:end] = 0
             stale[:] = 0
+        self.row_owner[start:end] = [None] * (end - start)
 
     def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
         for buf in (self.input_ids, self.positions, self.slot_mapping):

@@ -74,7 +74,10 @@ class ModelRunner:
             self.max_model_len,
         )
         self.buffers = InputBuffers(
-            self.max_num_tokens, self.max_num_reqs, self.attn_backend.max_blocks_per_seq, self.device
+            self.max_num_tokens,
+            self.max_num_reqs,
+            self.attn_backend.max_blocks_per_seq,
+            self.device,
         )
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
@@ -85,6 +88,8 @@ class ModelRunner:
         self.capture_stats = CaptureStats()
         self._graph_slots: dict[BatchDescriptor, int] = {}
         self._graph_inputs: dict[BatchDescriptor, list[torch.Tensor]] = {}
+        # (padded reqs, padded tokens) -> metadata views of the persistent buffers.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         # (step kind, runtime mode) -> steps run; step kind is "decode" or "mixed".
         self.mode_counts: Counter[tuple[str, str]] = Counter()
 
@@ -155,7 +160,9 @@ class ModelRunner:
     def capture_graphs(self) -> CaptureStats:
         """Capture every graph the dispatcher can ask for; then close capture."""
         kind = self.platform.graph_capture_kind or "cpu"
-        self.graphs = GraphManager(kind, self.config.compilation_config)
+        self.graphs = GraphManager(
+            kind, self.config.compilation_config, self.platform.default_inductor_options
+        )
         keys = self.dispatcher.all_keys()
         self.capture_stats = self.graphs.capture_all(
             keys, self._capture_one, self.platform.memory_allocated
@@ -225,22 +232,30 @@ class ModelRunner:
         padded_reqs: int,
         padded_tokens: int,
     ) -> AttentionMetadata:
-        b = self.buffers
+        views = self._views.get((padded_reqs, padded_tokens))
+        if views is None:
+            b = self.buffers
+            views = (
+                b.query_start_loc.gpu[: padded_reqs + 1],
+                b.seq_lens.gpu[:padded_reqs],
+                b.block_tables.gpu[:padded_reqs],
+                b.slot_mapping.gpu[:padded_tokens],
+                b.seq_lens.cpu[:padded_reqs],
+            )
+            self._views[(padded_reqs, padded_tokens)] = views
         return AttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=num_tokens,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            uniform_decode=uniform,
-            query_start_loc_cpu=qsl_cpu or [],
-            seq_lens_cpu=seq_lens_cpu,
-            query_start_loc=b.query_start_loc.gpu[: padded_reqs + 1],
-            seq_lens=b.seq_lens.gpu[:padded_reqs],
-            block_tables=b.block_tables.gpu[:padded_reqs],
-            slot_mapping=b.slot_mapping.gpu[:padded_tokens],
+            num_reqs,
+            num_tokens,
+            max_query_len,
+            max_seq_len,
+            uniform,
+            qsl_cpu or [],
+            seq_lens_cpu,
+            *views,
         )
 
     def _prepare(self, so: SchedulerOutput) -> _Step:
+        """Write this step's inputs into the persistent buffers (host side first)."""
         b, bs = self.buffers, self.block_size
         reqs, counts = so.scheduled_requests, so.num_scheduled_tokens
         num_reqs, num_tokens = len(reqs), so.total_num_scheduled_tokens
@@ -248,8 +263,10 @@ class ModelRunner:
         mode, key = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
         padded_tokens = key.num_tokens
         padded_reqs = key.num_reqs if key.uniform else num_reqs
+        if so.preempted_request_ids:
+            b.forget(so.preempted_request_ids)
         ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
-        seq_lens, qsl = b.seq_lens.np, b.query_start_loc.np
+        seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
         seq_lens_cpu: list[int] = []
         sample_rows: list[int] = []
         start = 0
@@ -268,27 +285,29 @@ class ModelRunner:
                 slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
             seq_lens[i] = end
             seq_lens_cpu.append(end)
-            b.write_block_row(i, block_ids)
+            b.write_block_row(i, req.request_id, block_ids)
             start += n
             qsl[i + 1] = start
-            b.logits_indices.np[i] = start - 1
+            logits_idx[i] = start - 1
             if end == req.num_tokens:
                 sample_rows.append(i)
         # Padding (DESIGN §5) and stale tails.
-        ids[num_tokens:padded_tokens] = 0
-        pos[num_tokens:padded_tokens] = 0
-        slots[num_tokens:padded_tokens] = -1
-        seq_lens[num_reqs:padded_reqs] = 0
-        qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
-        b.clear_block_rows(num_reqs, max(padded_reqs, num_reqs))
-        b.copy_to_device(padded_tokens, max(padded_reqs, num_reqs))
+        if padded_tokens > num_tokens:
+            ids[num_tokens:padded_tokens] = 0
+            pos[num_tokens:padded_tokens] = 0
+            slots[num_tokens:padded_tokens] = -1
+        if padded_reqs > num_reqs:
+            seq_lens[num_reqs:padded_reqs] = 0
+            qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
+            b.clear_block_rows(num_reqs, padded_reqs)
+        b.copy_to_device(padded_tokens, padded_reqs)
         md = self._metadata(
             num_reqs,
             num_tokens,
             max(counts),
             max(seq_lens_cpu),
             uniform,
-            qsl[: num_reqs + 1].tolist(),
+            [0, 1] if num_reqs == 1 and num_tokens == 1 else qsl[: num_reqs + 1].tolist(),
             seq_lens_cpu,
             padded_reqs,
             padded_tokens,

@@ -36,6 +36,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [padded reqs] int32, 0 for padded rows
     block_tables: torch.Tensor  # [padded reqs, max_blocks_per_seq] int32
     slot_mapping: torch.Tensor  # [padded tokens] int64, -1 for padded rows
+    # Host copy of seq_lens (int32, on CPU) that CPU kernels read. A graph slot owns a
+    # private one, so its values are baked until update_graph_params refreshes them.
+    seq_lens_host: torch.Tensor | None = None
 
     # Host fields, the ones `update_graph_params` copies into a graph's slot.
     HOST_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -84,6 +87,8 @@ class AttentionBackend:
 
     def new_graph_slot(self, metadata: AttentionMetadata) -> int:
         """A slot for a graph about to be captured, holding its capture-time metadata."""
+        if metadata.seq_lens_host is not None:
+            metadata.seq_lens_host = metadata.seq_lens_host.clone()
         self.slots.append(metadata)
         return len(self.slots) - 1
 
@@ -97,6 +102,9 @@ class AttentionBackend:
         assert target is not None and slot != EAGER_SLOT
         for name in AttentionMetadata.HOST_FIELDS:
             setattr(target, name, getattr(metadata, name))
+        if target.seq_lens_host is not None:
+            n = metadata.num_reqs
+            target.seq_lens_host[:n].copy_(metadata.seq_lens_host[:n])
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
+from decodegraph.attention.backends.native import load_paged_decode
 from decodegraph.graphs.modes import AttentionCGSupport
 
 
@@ -39,6 +40,11 @@ class CPUAttentionBackend(AttentionBackend):
         # and as block rows [blocks, block_size * kvh * d] (for gathers).
         self._slots_view: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._block_view: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._native = load_paged_decode() if self.use_native_kernel else None
+        self._scores: torch.Tensor | None = None
+
+    # The C decode kernel serves float32 CPU caches; subclasses on devices opt out.
+    use_native_kernel: ClassVar[bool] = True
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().bind_kv_caches(kv_caches)
@@ -58,6 +64,8 @@ class CPUAttentionBackend(AttentionBackend):
         self._positions = torch.arange(
             self.max_blocks_per_seq * self.block_size, device=k_cache.device
         )
+        group = self.num_heads // self.num_kv_heads
+        self._scores = torch.empty(group * self.max_blocks_per_seq * self.block_size)
 
     def forward(
         self,
@@ -71,6 +79,8 @@ class CPUAttentionBackend(AttentionBackend):
         n = md.num_actual_tokens
         if n == 0:  # the profiling run: no requests, nothing to attend or write
             return torch.zeros_like(query)
+        if md.uniform_decode and self._native is not None and query.dtype == torch.float32:
+            return self._decode_native(query, key, value, layer_idx, md)
         kvh, d = self.num_kv_heads, self.head_size
         k_slots, v_slots = self._slots_view[layer_idx]
         # Padded rows sit at the tail; writing only the first n rows skips them.
@@ -88,6 +98,44 @@ class CPUAttentionBackend(AttentionBackend):
         full = query.new_zeros(query.shape)
         self._mixed(query, layer_idx, md, full)
         return full
+
+    def _decode_native(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The whole layer's decode attention (KV write included) in one C call."""
+        if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype)
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        self._native(
+            query.data_ptr(),
+            key.data_ptr(),
+            value.data_ptr(),
+            out.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            md.slot_mapping.data_ptr(),
+            md.block_tables.data_ptr(),
+            md.block_tables.stride(0),
+            md.seq_lens_host.data_ptr(),
+            md.num_reqs,
+            query.shape[0],
+            query.stride(0),
+            key.stride(0),
+            value.stride(0),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.block_size,
+            self.scale,
+            self._scores.data_ptr(),
+        )
+        return out
 
     def _gather(
         self, cache_blocks: torch.Tensor, workspace: torch.Tensor, ids: torch.Tensor
@@ -109,7 +157,7 @@ class CPUAttentionBackend(AttentionBackend):
         # Grouped-query attention without repeating K/V: [b, kvh, group, d].
         scores = torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
         if b > 1:
-            beyond = self._positions[: nb * bs] >= md.seq_lens[:b, None]
+            beyond = self._positions[: nb * bs] >= md.seq_lens_host[:b, None]
             scores.masked_fill_(beyond.view(b, 1, 1, -1), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
         return out.view(b, self.num_heads * d)
@@ -147,7 +195,8 @@ class CPUAttentionBackend(AttentionBackend):
 class CUDATorchAttentionBackend(CPUAttentionBackend):
     """CUDA fallback in torch ops; graph-safe for uniform single-token decode only."""
 
-    name: ClassVar[str] = "CUDA_TORCH_SDPA"
+    name: ClassVar[str] = "CUDA_TORCH"
+    use_native_kernel: ClassVar[bool] = False
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def forward(
