@@ -40,6 +40,10 @@ class AttentionMetadata:
     # private one, so its values are baked until update_graph_params refreshes them.
     seq_lens_host: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.seq_lens_host is None:
+            self.seq_lens_host = self.seq_lens.to("cpu", torch.int32)
+
     # Host fields, the ones `update_graph_params` copies into a graph's slot.
     HOST_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_reqs",
