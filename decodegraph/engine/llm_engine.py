@@ -6,10 +6,12 @@ step():  scheduler.schedule() -> model_runner.execute_model() ->
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -79,7 +81,7 @@ class LLMEngine:
             config.scheduler_config, cc, mc.max_model_len, num_blocks
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self._eos_token_id()
+        self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._request_counter = 0
@@ -123,14 +125,35 @@ class LLMEngine:
             )
         return num_blocks
 
-    def _eos_token_id(self) -> int | None:
-        hf = self.model_config.hf_config
-        eos = getattr(hf, "eos_token_id", None)
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        return eos
+    def _eos_token_ids(self) -> tuple[int | None, list[int]]:
+        """The model's EOS id and any further ones it lists.
+
+        Instruct models often list several (Llama 3.x: end_of_text, eom_id, eot_id) in
+        config.json or generation_config.json; as in vLLM, the first is the EOS and the
+        others act as stop token ids of every request that does not ignore EOS.
+        """
+        ids: list[int] = []
+        for eos in (
+            getattr(self.model_config.hf_config, "eos_token_id", None),
+            self._generation_config().get("eos_token_id"),
+        ):
+            for t in eos if isinstance(eos, (list, tuple)) else [eos]:
+                if isinstance(t, int) and t not in ids:
+                    ids.append(t)
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return (ids[0] if ids else None), ids[1:]
+
+    def _generation_config(self) -> dict:
+        path = self.model_config.model_path
+        file = Path(path) / "generation_config.json" if path is not None else None
+        if file is None or not file.is_file():
+            return {}
+        try:
+            return json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            logger.warning("Ignoring unreadable %s: %s", file, e)
+            return {}
 
     # ---------------------------------------------------------------- requests
 
@@ -176,9 +199,16 @@ class LLMEngine:
         children = []
         for i, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.for_child(i)
-            if child_params.max_tokens is None:
-                child_params = child_params.clone()
-                child_params.max_tokens = max_len - len(ids)
+            extra_eos = []
+            if not child_params.ignore_eos:
+                extra_eos = [
+                    t for t in self.extra_eos_token_ids if t not in child_params.stop_token_ids
+                ]
+            if child_params.max_tokens is None or extra_eos:
+                child_params = child_params.clone()  # never change the caller's object
+                if child_params.max_tokens is None:
+                    child_params.max_tokens = max_len - len(ids)
+                child_params.stop_token_ids += extra_eos
             generator = None
             if child_params.seed is not None:
                 generator = torch.Generator(device=self.runner.device)
