@@ -284,3 +284,22 @@ def test_ignore_eos_runs_to_max_tokens(eos_llm: tuple[LLM, list[int], int]) -> N
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == greedy  # the same ids as the checkpoint without an EOS there
     assert out.finish_reason == "length"
+
+
+def test_every_eos_id_of_a_list_stops_generation(
+    eos_llm: tuple[LLM, list[int], int], tmp_path: Path
+) -> None:
+    # Llama 3.x and Qwen2 instruct models list several EOS ids (e.g. <|eot_id|> second).
+    _, greedy, eos = eos_llm
+    path = make_checkpoint(tmp_path, "llama-gqa", eos_token_id=[127, eos])
+    llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
+    out = llm.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy[: greedy.index(eos) + 1]
+    assert out.finish_reason == "stop"
+    min_tokens = greedy.index(eos) + 6
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=min_tokens)
+    out = llm.generate({"prompt_token_ids": EOS_PROMPT}, params, use_tqdm=False)[0].outputs[0]
+    assert eos not in out.token_ids[:min_tokens]
+    ignore = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": EOS_PROMPT}, ignore, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy
