@@ -95,11 +95,19 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_without_changing_ids(
     assert_all_blocks_free(engine)
 
 
+# 128 tokens need 8 blocks of 16 (+ the null block): 10 is a little over one sequence.
+# In bytes: 10 blocks of 20480 plus the attention workspace (16 sequences x 8 blocks x 4096).
+TINY_KV_BUDGETS = [
+    {"num_gpu_blocks_override": 10},
+    {"kv_cache_memory_bytes": 10 * 20480 + 16 * 8 * 4096},
+]
+
+
+@pytest.mark.parametrize("budget", TINY_KV_BUDGETS, ids=["blocks", "bytes"])
 def test_preemption_under_a_tiny_kv_cache_does_not_change_ids(
-    stories_dir: Path, ref: LLMEngine
+    budget: dict[str, int], stories_dir: Path, ref: LLMEngine
 ) -> None:
-    # 128 tokens need 8 blocks of 16 (+ the null block): 10 is a little over one sequence.
-    engine = make_engine(stories_dir, max_model_len=128, num_gpu_blocks_override=10)
+    engine = make_engine(stories_dir, max_model_len=128, **budget)
     assert engine.get_stats().num_blocks == 9
     prompts = [prompt(n, off) for n, off in ((20, 0), (33, 2), (9, 5), (27, 9), (40, 13), (15, 1))]
     params = SamplingParams(temperature=0.0, max_tokens=40)
