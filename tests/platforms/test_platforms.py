@@ -1,0 +1,204 @@
+"""Platforms: what each declares, and how the platform and its attention backend's support
+level drive mode resolution on a real engine (stories260K)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+import decodegraph.engine.llm_engine as llm_engine_module
+from decodegraph.attention.backends.base import AttentionBackend
+from decodegraph.attention.backends.torch_paged import (
+    CPUAttentionBackend,
+    CUDATorchAttentionBackend,
+)
+from decodegraph.entrypoints.llm import LLM
+from decodegraph.graphs.modes import AttentionCGSupport, CUDAGraphMode
+from decodegraph.platforms import get_platform
+from decodegraph.platforms.base import Platform
+from decodegraph.platforms.cpu import CpuPlatform
+from decodegraph.platforms.cuda import CudaPlatform
+from decodegraph.sampling_params import SamplingParams
+
+MODES_LOGGER = "decodegraph.graphs.modes"
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 40, 41, 42], [1, 90], [1, 7, 8]]
+
+
+def test_get_platform_cpu() -> None:
+    platform = get_platform("cpu")
+    assert isinstance(platform, CpuPlatform)
+    assert platform.device() == torch.device("cpu")
+    assert platform.dist_backend == "gloo"
+    assert platform.graph_capture_kind == "cpu"
+    assert platform.supports_graphs
+    assert platform.attention_backend_cls() is CPUAttentionBackend
+    platform.synchronize()  # a no-op that must not fail
+
+
+def test_get_platform_cuda_needs_no_device_to_describe_itself() -> None:
+    platform = get_platform("cuda")
+    assert isinstance(platform, CudaPlatform)
+    assert platform.device_type == "cuda"
+    assert platform.dist_backend == "nccl"
+    assert platform.graph_capture_kind == "cuda"
+    assert platform.supports_graphs
+    assert platform.attention_backend_cls() is CUDATorchAttentionBackend
+
+
+def test_get_platform_rejects_an_unknown_device_listing_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="cpu, cuda"):
+        get_platform("npu")
+
+
+@pytest.mark.parametrize("platform_cls", [CpuPlatform, CudaPlatform], ids=["cpu", "cuda"])
+def test_default_capture_sizes_are_sorted_unique_and_start_at_one(
+    platform_cls: type[Platform],
+) -> None:
+    sizes = platform_cls.default_capture_sizes
+    assert sizes[0] == 1
+    assert sizes == sorted(set(sizes))
+    assert all(isinstance(s, int) and s > 0 for s in sizes)
+
+
+def test_the_base_platform_has_no_graphs() -> None:
+    platform = Platform()
+    assert not platform.supports_graphs
+    assert platform.memory_allocated() == 0
+    with pytest.raises(NotImplementedError):
+        platform.attention_backend_cls()
+
+
+def test_cpu_kv_cache_budget_is_positive_and_bounded() -> None:
+    budget = CpuPlatform().available_kv_cache_memory(0.9, 0)
+    assert 0 < budget <= 4 << 30
+
+
+# ---------------------------------------------------------------- resolution on an engine
+
+
+class NoGraphCpuPlatform(CpuPlatform):
+    """A CPU platform that cannot capture graphs."""
+
+    name: ClassVar[str] = "cpu-no-graphs"
+    graph_capture_kind: ClassVar[str | None] = None
+
+
+def _backend_declaring(level: AttentionCGSupport) -> type[AttentionBackend]:
+    return type(f"CPUAttention{level.name}", (CPUAttentionBackend,), {"cudagraph_support": level})
+
+
+def _platform_with_support(level: AttentionCGSupport) -> type[Platform]:
+    backend = _backend_declaring(level)
+
+    class LimitedCpuPlatform(CpuPlatform):
+        def attention_backend_cls(self) -> type[AttentionBackend]:
+            return backend
+
+    return LimitedCpuPlatform
+
+
+def _start(
+    stories_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    platform_cls: type[Platform],
+    mode: str,
+) -> LLM:
+    monkeypatch.setattr(llm_engine_module, "get_platform", lambda device: platform_cls())
+    return LLM(
+        str(stories_dir),
+        compilation_config={
+            "cudagraph_mode": mode,
+            "cudagraph_capture_sizes": [1, 4],
+            "use_inductor": False,
+        },
+        max_model_len=64,
+        max_num_seqs=4,
+    )
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def eager_ids(stories_dir: Path) -> list[list[int]]:
+    return _greedy(LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4))
+
+
+def _mode_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == MODES_LOGGER and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "PIECEWISE"])
+def test_a_platform_without_graphs_runs_every_mode_eager_and_says_so_once(
+    stories_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    eager_ids: list[list[int]],
+    mode: str,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=MODES_LOGGER)
+    llm = _start(stories_dir, monkeypatch, NoGraphCpuPlatform, mode)
+    runner = llm.llm_engine.runner
+    assert runner.mode is CUDAGraphMode.NONE
+    assert runner.capture_stats.num_graphs == 0
+    warnings = _mode_warnings(caplog)
+    assert len(warnings) == 1 and "platform" in warnings[0]
+    assert _greedy(llm) == eager_ids
+    assert {mode for _, mode in runner.mode_counts} == {"NONE"}
+
+
+@pytest.mark.parametrize(
+    "level, mode, resolved, graphs",
+    [
+        # 2 sizes; stories260K has 5 layers, so 6 pieces per size.
+        (AttentionCGSupport.UNIFORM_BATCH, "FULL", "FULL_AND_PIECEWISE", 2 * (1 + 6)),
+        (AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, "FULL", "FULL_AND_PIECEWISE", 14),
+        (AttentionCGSupport.NEVER, "FULL_DECODE_ONLY", "PIECEWISE", 2 * 6),
+        (AttentionCGSupport.NEVER, "FULL", "PIECEWISE", 12),
+    ],
+    ids=["uniform-batch", "single-token", "never-fdo", "never-full"],
+)
+def test_the_backend_support_level_downgrades_the_mode_once_on_an_engine(
+    stories_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    eager_ids: list[list[int]],
+    level: AttentionCGSupport,
+    mode: str,
+    resolved: str,
+    graphs: int,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=MODES_LOGGER)
+    llm = _start(stories_dir, monkeypatch, _platform_with_support(level), mode)
+    runner = llm.llm_engine.runner
+    assert runner.mode.name == resolved
+    assert runner.capture_stats.num_graphs == graphs
+    warnings = _mode_warnings(caplog)
+    assert len(warnings) == 1
+    assert mode in warnings[0] and resolved in warnings[0]
+    assert _greedy(llm) == eager_ids
+
+
+def test_enforce_eager_means_mode_none_without_a_downgrade_warning(
+    stories_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=MODES_LOGGER)
+    llm = LLM(
+        str(stories_dir),
+        enforce_eager=True,
+        compilation_config={"cudagraph_mode": "FULL"},
+        max_model_len=64,
+    )
+    assert llm.llm_engine.runner.mode is CUDAGraphMode.NONE
+    assert llm.llm_engine.runner.capture_stats.num_graphs == 0
+    assert _mode_warnings(caplog) == []
