@@ -1,0 +1,142 @@
+"""CUDA graphs (torch.cuda.CUDAGraph): replay equals eager for every mode, graph counts,
+padded rows, address checks and capture closing. Skipped where no NVIDIA GPU is present."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from decodegraph.entrypoints.llm import LLM
+from decodegraph.graphs.dispatcher import BatchDescriptor
+from decodegraph.graphs.graph import CudaGraph, InputAddressError
+from decodegraph.graphs.manager import CaptureClosedError
+from decodegraph.graphs.modes import RuntimeMode
+from decodegraph.sampling_params import SamplingParams
+from tests.utils.checkpoints import make_checkpoint
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU; none is available"
+)
+
+SIZES = [1, 2, 4, 8]
+NUM_LAYERS = 2  # the random llama-gqa checkpoint
+# The CUDA torch backend supports UNIFORM_SINGLE_TOKEN_DECODE: FULL becomes FULL_AND_PIECEWISE.
+RESOLVED = {
+    "NONE": "NONE",
+    "PIECEWISE": "PIECEWISE",
+    "FULL": "FULL_AND_PIECEWISE",
+    "FULL_DECODE_ONLY": "FULL_DECODE_ONLY",
+    "FULL_AND_PIECEWISE": "FULL_AND_PIECEWISE",
+}
+GRAPHS_PER_SIZE = {
+    "NONE": 0,
+    "PIECEWISE": NUM_LAYERS + 1,
+    "FULL_DECODE_ONLY": 1,
+    "FULL_AND_PIECEWISE": 1 + NUM_LAYERS + 1,
+}
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], LLM]]:
+    path = make_checkpoint(tmp_path_factory.mktemp("cuda_ckpt"), "llama-gqa")
+    cache: dict[str, LLM] = {}
+
+    def get(mode: str) -> LLM:
+        if mode not in cache:
+            cache[mode] = LLM(
+                str(path),
+                device="cuda",
+                dtype="float32",
+                skip_tokenizer_init=True,
+                compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES},
+                max_model_len=128,
+                max_num_seqs=16,
+                gpu_memory_utilization=0.3,
+            )
+        return cache[mode]
+
+    yield get
+    cache.clear()
+    torch.cuda.empty_cache()
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, 127) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("bs", [1, 3, 7, 12])
+@pytest.mark.parametrize("mode", list(RESOLVED)[1:])
+def test_replay_equals_eager(engine: Callable[[str], LLM], mode: str, bs: int) -> None:
+    prompts = _prompts(bs, seed=bs)
+    llm = engine(mode)
+    before = sum(n for (_, m), n in llm.llm_engine.runner.mode_counts.items() if m != "NONE")
+    assert _greedy(llm, prompts) == _greedy(engine("NONE"), prompts)
+    after = sum(n for (_, m), n in llm.llm_engine.runner.mode_counts.items() if m != "NONE")
+    if bs <= SIZES[-1]:
+        assert after > before, "no graph replayed"
+
+
+@pytest.mark.parametrize("mode", list(RESOLVED))
+def test_resolved_mode_and_graph_count(engine: Callable[[str], LLM], mode: str) -> None:
+    runner = engine(mode).llm_engine.runner
+    resolved = RESOLVED[mode]
+    assert runner.mode.name == resolved
+    assert runner.capture_stats.num_graphs == GRAPHS_PER_SIZE[resolved] * len(SIZES)
+    assert runner.graphs.kind == "cuda"
+
+
+def test_graphs_share_one_memory_pool_and_count_their_memory(
+    engine: Callable[[str], LLM],
+) -> None:
+    runner = engine("FULL_DECODE_ONLY").llm_engine.runner
+    full = [g for g in runner.graphs.graphs.values() if isinstance(g, CudaGraph)]
+    assert len(full) == len(SIZES)
+    pools = {g._graph.pool() for g in full}
+    assert len(pools) == 1
+    assert runner.capture_stats.memory_bytes >= 0
+    assert runner.capture_stats.seconds > 0
+
+
+def test_padded_decode_rows_write_only_the_null_block(engine: Callable[[str], LLM]) -> None:
+    llm = engine("FULL_DECODE_ONLY")
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    for i, prompt in enumerate(_prompts(3, seed=21)):
+        eng.add_request(f"pad{i}", prompt, GREEDY)
+    eng.step()  # the prefill (eager)
+    before = [t.clone() for pair in runner.attn_backend.kv_caches for t in pair]
+    full_before = runner.mode_counts[("decode", "FULL")]
+    eng.step()  # decode of 3, padded to 4
+    assert runner.mode_counts[("decode", "FULL")] == full_before + 1
+    written = sorted(runner.buffers.slot_mapping.np[:3].tolist())
+    kvh, d, bs = runner.num_kv_heads, runner.head_size, runner.block_size
+    for old, new in zip(before, [t for p in runner.attn_backend.kv_caches for t in p], strict=True):
+        changed = (old.view(-1, kvh, d) != new.view(-1, kvh, d)).any(-1).any(-1)
+        slots = changed.nonzero().flatten().tolist()
+        assert [s for s in slots if s >= bs] == written
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_a_changed_input_address_is_caught_on_first_replay() -> None:
+    x = torch.randn(4, 8, device="cuda")
+    w = torch.randn(8, 8, device="cuda")
+    graph = CudaGraph("g", lambda a, b: a @ b, [x, w], torch.cuda.graph_pool_handle(), 1)
+    with pytest.raises(InputAddressError):
+        graph.replay([x.clone(), w])
+    torch.testing.assert_close(graph.replay([x, w]), x @ w)
+
+
+def test_a_late_capture_raises(engine: Callable[[str], LLM]) -> None:
+    runner = engine("FULL_DECODE_ONLY").llm_engine.runner
+    with pytest.raises(CaptureClosedError):
+        runner._capture_one(RuntimeMode.FULL, BatchDescriptor(1, 1, True))
+
