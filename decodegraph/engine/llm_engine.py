@@ -183,6 +183,11 @@ class LLMEngine:
         """Queue a request. Bad input raises ValueError and changes nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop: stop strings need a tokenizer to match text (skip_tokenizer_init is "
+                "set); use stop_token_ids"
+            )
         text, ids = self._tokenize(prompt)
         max_len, vocab = self.model_config.max_model_len, self.runner.vocab_size
         if not ids:
