@@ -311,3 +311,12 @@ def test_every_eos_id_of_a_list_stops_generation(
     ignore = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, ignore, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == greedy
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(eos_llm: tuple[LLM, list[int], int]) -> None:
+    # With skip_tokenizer_init there is no text to match: ignoring them would run silently
+    # to max_tokens (vLLM #46310).
+    llm = eos_llm[0]
+    with pytest.raises(ValueError, match="^stop: .*tokenizer"):
+        llm.generate({"prompt_token_ids": EOS_PROMPT}, SamplingParams(stop=["x"]), use_tqdm=False)
+    assert_all_blocks_free(llm.llm_engine)
