@@ -83,3 +83,26 @@ def test_batched_greedy_ids_and_logprobs_match_transformers_generate(
                 assert lps[tid].logprob == pytest.approx(lp, abs=1e-4)
         total = want_logprobs[torch.arange(NUM_TOKENS), torch.tensor(want_ids)].sum().item()
         assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtype_auto_reads_a_half_checkpoint_and_greedy_ids_match_transformers(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    path = make_checkpoint(tmp_path, "llama-gqa", dtype=dtype)
+    llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
+    assert llm.llm_engine.runner.dtype == dtype
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:3]], params, use_tqdm=False)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    ref.generation_config.eos_token_id = None
+    for prompt, out in zip(PROMPTS[1:3], outs, strict=True):
+        with torch.no_grad():
+            want = (
+                ref.eval()
+                .generate(
+                    torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+                )[0, len(prompt) :]
+                .tolist()
+            )
+        assert out.outputs[0].token_ids == want
