@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from decodegraph.attention.backends.base import EAGER_SLOT, AttentionMetadata
+from decodegraph.attention.backends.native import load_paged_decode
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
@@ -38,14 +39,27 @@ class Case:
     slots: list[int]  # KV slots the real tokens write
 
 
-def make_backend(num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8) -> CPUAttentionBackend:
-    backend = CPUAttentionBackend(
-        num_heads, num_kv_heads, head_size, head_size**-0.5, BLOCK_SIZE, MAX_MODEL_LEN
-    )
+class TorchOpsAttentionBackend(CPUAttentionBackend):
+    """The same backend on its tensor-op path (the C decode kernel opted out)."""
+
+    use_native_kernel = False
+
+
+@pytest.fixture(params=["native", "torch-ops"])
+def kernel(request: pytest.FixtureRequest) -> str:
+    """Decode runs in the C kernel (when it builds here) or in tensor ops: test both."""
+    if request.param == "native" and load_paged_decode() is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    return request.param
+
+
+def make_backend(
+    kernel: str, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8
+) -> CPUAttentionBackend:
+    cls = CPUAttentionBackend if kernel == "native" else TorchOpsAttentionBackend
+    backend = cls(num_heads, num_kv_heads, head_size, head_size**-0.5, BLOCK_SIZE, MAX_MODEL_LEN)
     shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size)
-    backend.bind_kv_caches(
-        [(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)]
-    )
+    backend.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)])
     backend.allocate_workspace(MAX_NUM_REQS, torch.float32, torch.device("cpu"))
     return backend
 
@@ -144,38 +158,38 @@ GQA = [(4, 4), (4, 2), (4, 1), (6, 3)]
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
-def test_prefill_is_causal(num_heads: int, num_kv_heads: int) -> None:
-    case = make_case(make_backend(num_heads, num_kv_heads), [(0, 7)])
+def test_prefill_is_causal(kernel: str, num_heads: int, num_kv_heads: int) -> None:
+    case = make_case(make_backend(kernel, num_heads, num_kv_heads), [(0, 7)])
     check(case, run(case))
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
 @pytest.mark.parametrize("context, chunk", [(5, 6), (4, 4), (1, 2), (9, 1), (12, 20)])
 def test_chunked_prefill_attends_over_the_context_offset(
-    num_heads: int, num_kv_heads: int, context: int, chunk: int
+    kernel: str, num_heads: int, num_kv_heads: int, context: int, chunk: int
 ) -> None:
-    case = make_case(make_backend(num_heads, num_kv_heads), [(context, chunk)])
+    case = make_case(make_backend(kernel, num_heads, num_kv_heads), [(context, chunk)])
     check(case, run(case))
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
 @pytest.mark.parametrize("lengths", [[1], [13], [32], [1, 5, 13, 9], [32, 2, 17], [4, 4]])
 def test_decode_batch_with_different_lengths(
-    num_heads: int, num_kv_heads: int, lengths: list[int]
+    kernel: str, num_heads: int, num_kv_heads: int, lengths: list[int]
 ) -> None:
-    case = make_case(make_backend(num_heads, num_kv_heads), [(n - 1, 1) for n in lengths])
+    case = make_case(make_backend(kernel, num_heads, num_kv_heads), [(n - 1, 1) for n in lengths])
     assert case.metadata.uniform_decode
     check(case, run(case))
 
 
-def test_mixed_batch_of_decodes_chunks_and_prefills() -> None:
-    case = make_case(make_backend(), [(6, 1), (0, 5), (3, 4), (10, 1), (0, 1)])
+def test_mixed_batch_of_decodes_chunks_and_prefills(kernel: str) -> None:
+    case = make_case(make_backend(kernel), [(6, 1), (0, 5), (3, 4), (10, 1), (0, 1)])
     assert not case.metadata.uniform_decode
     check(case, run(case))
 
 
-def test_each_layer_has_its_own_cache() -> None:
-    backend = make_backend()
+def test_each_layer_has_its_own_cache(kernel: str) -> None:
+    backend = make_backend(kernel)
     case = make_case(backend, [(3, 2)], layer_idx=1)
     check(case, run(case, layer_idx=1))
     assert not backend.kv_caches[0][0].any(), "layer 0's cache was written by layer 1"
@@ -187,9 +201,9 @@ def test_each_layer_has_its_own_cache() -> None:
     ids=["3-to-4", "1-to-2", "2-to-8"],
 )
 def test_padded_decode_rows_write_no_kv_and_leave_real_rows_alone(
-    reqs: list[tuple[int, int]], pad_reqs: int
+    kernel: str, reqs: list[tuple[int, int]], pad_reqs: int
 ) -> None:
-    backend = make_backend()
+    backend = make_backend(kernel)
     case = make_case(backend, reqs, pad_tokens=pad_reqs, pad_reqs=pad_reqs)
     before = [t.clone() for pair in backend.kv_caches for t in pair]
     out = run(case)
@@ -198,8 +212,8 @@ def test_padded_decode_rows_write_no_kv_and_leave_real_rows_alone(
     _assert_only_slots_written(backend, before, case.slots)
 
 
-def test_padded_mixed_rows_write_no_kv_and_leave_real_rows_alone() -> None:
-    backend = make_backend()
+def test_padded_mixed_rows_write_no_kv_and_leave_real_rows_alone(kernel: str) -> None:
+    backend = make_backend(kernel)
     case = make_case(backend, [(3, 4), (0, 2)], pad_tokens=2)
     before = [t.clone() for pair in backend.kv_caches for t in pair]
     out = run(case)
@@ -216,12 +230,14 @@ def _assert_only_slots_written(
     for old, new in zip(before[:2], (k_after, v_after), strict=True):
         changed = (old.view(-1, kvh, d) != new.view(-1, kvh, d)).any(-1).any(-1)
         assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots)
-    for old, new in zip(before[2:], [t for pair in backend.kv_caches[1:] for t in pair], strict=True):
+    for old, new in zip(
+        before[2:], [t for pair in backend.kv_caches[1:] for t in pair], strict=True
+    ):
         assert torch.equal(old, new), "another layer's cache changed"
 
 
-def test_kv_of_the_new_tokens_lands_in_their_slots() -> None:
-    backend = make_backend()
+def test_kv_of_the_new_tokens_lands_in_their_slots(kernel: str) -> None:
+    backend = make_backend(kernel)
     case = make_case(backend, [(2, 3), (0, 1)])
     run(case)
     k_cache, v_cache = backend.kv_caches[0]
@@ -235,9 +251,9 @@ def _tensor_addresses(backend: CPUAttentionBackend) -> dict[str, int]:
     return {k: v.data_ptr() for k, v in vars(backend).items() if isinstance(v, torch.Tensor)}
 
 
-def test_workspace_is_allocated_once_and_reused_at_full_length() -> None:
+def test_workspace_is_allocated_once_and_reused_at_full_length(kernel: str) -> None:
     """Every request at max_model_len, the largest batch: no new allocation."""
-    backend = make_backend()
+    backend = make_backend(kernel)
     addresses = _tensor_addresses(backend)
     assert addresses, "the backend holds no workspace tensors"
     lengths = [MAX_MODEL_LEN] * MAX_NUM_REQS
@@ -247,8 +263,8 @@ def test_workspace_is_allocated_once_and_reused_at_full_length() -> None:
         assert _tensor_addresses(backend) == addresses
 
 
-def test_update_graph_params_refreshes_host_values_and_keeps_tensor_views() -> None:
-    backend = make_backend()
+def test_update_graph_params_refreshes_host_values_and_keeps_tensor_views(kernel: str) -> None:
+    backend = make_backend(kernel)
     captured = make_case(backend, [(0, 1), (0, 1)]).metadata
     slot = backend.new_graph_slot(captured)
     assert slot != EAGER_SLOT
@@ -260,10 +276,13 @@ def test_update_graph_params_refreshes_host_values_and_keeps_tensor_views() -> N
         assert getattr(target, name) == getattr(step, name), name
     for name, tensor in views.items():
         assert getattr(target, name) is tensor, f"{name} must keep its capture-time view"
+    # The host copy of seq_lens the kernels read is the slot's own, refreshed in place.
+    assert target.seq_lens_host is not step.seq_lens_host
+    assert target.seq_lens_host[:2].tolist() == [8, 4]
 
 
-def test_a_graph_slot_is_independent_of_the_eager_slot() -> None:
-    backend = make_backend()
+def test_a_graph_slot_is_independent_of_the_eager_slot(kernel: str) -> None:
+    backend = make_backend(kernel)
     graph_case = make_case(backend, [(5, 1)])
     slot = backend.new_graph_slot(graph_case.metadata)
     eager_case = make_case(backend, [(0, 3)], seed=2)

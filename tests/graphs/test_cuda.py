@@ -139,4 +139,3 @@ def test_a_late_capture_raises(engine: Callable[[str], LLM]) -> None:
     runner = engine("FULL_DECODE_ONLY").llm_engine.runner
     with pytest.raises(CaptureClosedError):
         runner._capture_one(RuntimeMode.FULL, BatchDescriptor(1, 1, True))
-

@@ -172,11 +172,6 @@ def test_split_at_attention_keeps_every_attention_call_outside_the_pieces() -> N
         assert ATTENTION_OP not in targets, f"{name} holds an attention call"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PiecewiseGraph does not subclass Graph and never records or checks input "
-    "addresses (DESIGN §4: every graph checks them on its first replay)",
-)
 def test_a_piecewise_graph_checks_input_addresses_on_first_replay() -> None:
     x, w = torch.randn(5, 8), torch.randn(8, 8)
     with set_forward_context(ForwardContext(_attention_setup(5), EAGER_SLOT)):
@@ -222,6 +217,7 @@ def test_capture_uses_dummy_lengths_of_one(stories_dir: Path) -> None:
     for md in graph_slots:
         assert md.max_seq_len == 1
         assert md.seq_lens_cpu == [1] * md.num_reqs
+        assert md.seq_lens_host[: md.num_reqs].tolist() == [1] * md.num_reqs
 
 
 def test_replay_runs_none_of_the_model_python(stories_dir: Path, eager_llm: LLM) -> None:
@@ -294,17 +290,11 @@ def test_a_graph_replayed_with_other_input_tensors_raises(stories_dir: Path) -> 
     llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
     graphs = llm.llm_engine.runner.graphs
     (mode, key), graph = next(iter(graphs.graphs.items()))
-    inputs = llm.llm_engine.runner._graph_inputs[key]
+    inputs = llm.llm_engine.runner._buffer_views(key.num_tokens)
     with pytest.raises(InputAddressError):
         graphs.replay(mode, key, [t.clone() for t in inputs])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the runner replays with the input list stored at capture, never with views of "
-    "its current buffers, so the first-replay address check compares that list with itself; "
-    "a reallocated persistent buffer goes unnoticed and the graph silently reads stale memory",
-)
 def test_a_reallocated_persistent_buffer_is_caught_on_first_replay(stories_dir: Path) -> None:
     llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
     buffers = llm.llm_engine.runner.buffers
@@ -327,11 +317,6 @@ def test_a_late_capture_raises(stories_dir: Path) -> None:
         runner._capture_one(RuntimeMode.FULL, BatchDescriptor(1, 1, True))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ModelRunner.capture_graphs builds a new GraphManager on every call, so calling "
-    "it after start-up captures everything again instead of raising CaptureClosedError",
-)
 def test_capturing_all_graphs_again_after_start_up_raises(stories_dir: Path) -> None:
     llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1])
     with pytest.raises(CaptureClosedError):

@@ -41,13 +41,6 @@ CONFIGS: dict[str, dict[str, object]] = {
     },
 }
 
-DECODE_KIND_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="ModelRunner.execute_model labels the step kind by the dispatched key's "
-    "`uniform`; PIECEWISE and FULL serve uniform decode with (n, None, False) keys, so "
-    "their decode steps are counted as 'mixed'",
-)
-
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -199,13 +192,6 @@ def test_prefix_cache_hits_match_mode_none(
     assert llm.llm_engine.get_stats().prefix_cache_hits > hits_before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ModelRunner.capture_sizes caps every size at max_num_seqs, also explicitly "
-    "listed ones; mixed-batch (PIECEWISE / FULL) keys are token counts, so chunks of up to "
-    "max_num_batched_tokens tokens silently run eager (vLLM keeps listed sizes up to "
-    "max_num_batched_tokens)",
-)
 def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir: Path) -> None:
     llm = LLM(
         str(stories_dir),
@@ -259,13 +245,11 @@ def test_capture_is_closed_after_start_up(engine: Callable[..., LLM], mode: str)
     [
         "FULL_DECODE_ONLY",
         "FULL_AND_PIECEWISE",
-        pytest.param("PIECEWISE", marks=DECODE_KIND_BUG),
-        pytest.param("FULL", marks=DECODE_KIND_BUG),
+        "PIECEWISE",
+        "FULL",
     ],
 )
-def test_mode_counts_report_decode_steps_as_decode(
-    engine: Callable[..., LLM], mode: str
-) -> None:
+def test_mode_counts_report_decode_steps_as_decode(engine: Callable[..., LLM], mode: str) -> None:
     llm = engine("stories", mode)
     before = dict(llm.llm_engine.runner.mode_counts)
     _run(llm, _prompts("stories", 1, (3, 3), seed=1), max_tokens=6)

@@ -25,7 +25,9 @@ MODES_LOGGER = "decodegraph.graphs.modes"
 
 
 @pytest.mark.parametrize("mode", ALL_MODES, ids=lambda m: m.name)
-@pytest.mark.parametrize("spell", [str.upper, str.lower, str.title], ids=["upper", "lower", "title"])
+@pytest.mark.parametrize(
+    "spell", [str.upper, str.lower, str.title], ids=["upper", "lower", "title"]
+)
 def test_parse_is_case_insensitive(mode: CUDAGraphMode, spell) -> None:
     assert CUDAGraphMode.parse(spell(mode.name)) is mode
 
