@@ -77,9 +77,7 @@ class LLMEngine:
             mode.name,
             stats.num_graphs,
         )
-        self.scheduler = Scheduler(
-            config.scheduler_config, cc, mc.max_model_len, num_blocks
-        )
+        self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
         self._prompt_tokens_total = 0
@@ -93,21 +91,25 @@ class LLMEngine:
     # ---------------------------------------------------------------- start-up
 
     def _num_kv_blocks(self) -> int:
-        """KV blocks from the memory budget, less the attention workspace."""
+        """KV blocks: exactly `kv_cache_memory_bytes` (or `num_gpu_blocks_override`) when
+        given; otherwise the platform's budget less the attention workspace and the graph
+        pool, which are allocated after the KV cache."""
         cc, runner = self.config.cache_config, self.runner
         per_block = runner.kv_cache_bytes_per_block()
         blocks_per_seq = runner.attn_backend.max_blocks_per_seq
         if cc.num_gpu_blocks_override is not None:
             num_blocks = cc.num_gpu_blocks_override
+        elif cc.kv_cache_memory_bytes is not None:
+            num_blocks = cc.kv_cache_memory_bytes // per_block
         else:
-            budget = cc.kv_cache_memory_bytes
-            if budget is None:
-                budget = self.platform.available_kv_cache_memory(
-                    cc.gpu_memory_utilization, self.platform.memory_allocated()
-                )
-                # More than every sequence at full length is of no use but prefix caching.
-                budget = min(budget, (runner.max_num_reqs * blocks_per_seq + 1) * per_block)
+            budget = self.platform.available_kv_cache_memory(
+                cc.gpu_memory_utilization, self.platform.memory_allocated()
+            )
+            # More than every sequence at full length is of no use but prefix caching.
+            budget = min(budget, (runner.max_num_reqs * blocks_per_seq + 1) * per_block)
             budget -= runner.workspace_bytes(runner.max_num_reqs)
+            if not self.config.enforce_eager:
+                budget -= runner.profile_peak_bytes
             num_blocks = max(0, budget) // per_block
         needed = blocks_per_seq + 1  # one full-length sequence plus the null block
         if num_blocks < needed:
@@ -115,13 +117,13 @@ class LLMEngine:
                 "num_gpu_blocks_override"
                 if cc.num_gpu_blocks_override is not None
                 else "kv_cache_memory_bytes"
+                if cc.kv_cache_memory_bytes is not None
+                else "gpu_memory_utilization"
             )
             raise ValueError(
                 f"{field_name}: the KV cache holds {num_blocks} blocks of {cc.block_size} "
                 f"tokens, but max_model_len={self.model_config.max_model_len} needs {needed} "
-                f"(each block is {per_block} bytes, and the attention workspace takes "
-                f"{runner.workspace_bytes(runner.max_num_reqs)} bytes); raise the budget or "
-                "lower max_model_len / max_num_seqs"
+                f"(each block is {per_block} bytes); raise the budget or lower max_model_len"
             )
         return num_blocks
 
@@ -182,7 +184,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Bad input raises ValueError and changes nothing."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params: expected SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 "stop: stop strings need a tokenizer to match text (skip_tokenizer_init is "
@@ -200,7 +204,9 @@ class LLMEngine:
                 f"max_model_len={max_len}"
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        child_ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        )
         children = []
         for i, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.for_child(i)

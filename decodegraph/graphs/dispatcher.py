@@ -28,9 +28,15 @@ class CudagraphDispatcher:
     size, or of a shape no key covers, runs eagerly (RuntimeMode.NONE, key unpadded).
     """
 
-    def __init__(self, mode: CUDAGraphMode, capture_sizes: list[int]) -> None:
+    def __init__(
+        self, mode: CUDAGraphMode, capture_sizes: list[int], max_num_reqs: int | None = None
+    ) -> None:
         self.mode = mode
         self.capture_sizes = sorted(capture_sizes) if mode is not CUDAGraphMode.NONE else []
+        # A uniform decode batch has one token per request: no more than max_num_reqs.
+        self.decode_sizes = [
+            s for s in self.capture_sizes if max_num_reqs is None or s <= max_num_reqs
+        ]
         self.keys: dict[RuntimeMode, list[BatchDescriptor]] = {
             RuntimeMode.FULL: [],
             RuntimeMode.PIECEWISE: [],
@@ -39,26 +45,32 @@ class CudagraphDispatcher:
         self._uniform_full = (
             mode.decode_mode() is RuntimeMode.FULL and mode.mixed_mode() is not RuntimeMode.FULL
         )
-        for size in self.capture_sizes:
-            if self._uniform_full:
+        if self._uniform_full:
+            for size in self.decode_sizes:
                 self.keys[RuntimeMode.FULL].append(BatchDescriptor(size, size, True))
-            if mode.mixed_mode() is not RuntimeMode.NONE:
+        if mode.mixed_mode() is not RuntimeMode.NONE:
+            for size in self.capture_sizes:
                 self.keys[mode.mixed_mode()].append(BatchDescriptor(size, None, False))
+
+    @staticmethod
+    def _pad(sizes: list[int], num_tokens: int) -> int | None:
+        """The smallest size >= num_tokens, or None when none is."""
+        i = bisect.bisect_left(sizes, num_tokens)
+        return sizes[i] if i < len(sizes) else None
 
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest capture size >= num_tokens, or None when none is."""
-        i = bisect.bisect_left(self.capture_sizes, num_tokens)
-        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+        return self._pad(self.capture_sizes, num_tokens)
 
     def dispatch(self, desc: BatchDescriptor) -> tuple[RuntimeMode, BatchDescriptor]:
         """The runtime mode and key for one step's (unpadded) batch."""
-        padded = self.padded_size(desc.num_tokens)
-        if padded is None:
-            return RuntimeMode.NONE, desc
         if desc.uniform and self._uniform_full:
-            return RuntimeMode.FULL, BatchDescriptor(padded, padded, True)
+            padded = self._pad(self.decode_sizes, desc.num_tokens)
+            if padded is not None:
+                return RuntimeMode.FULL, BatchDescriptor(padded, padded, True)
         mixed = self.mode.mixed_mode()
-        if mixed is RuntimeMode.NONE:
+        padded = self.padded_size(desc.num_tokens)
+        if mixed is RuntimeMode.NONE or padded is None:
             return RuntimeMode.NONE, desc
         return mixed, BatchDescriptor(padded, None, False)
 

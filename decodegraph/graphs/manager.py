@@ -56,7 +56,7 @@ class GraphManager:
             **(inductor_options or {}),
             **compilation_config.inductor_compile_config,
         }
-        self.graphs: dict[GraphKey, Graph | PiecewiseGraph] = {}
+        self.graphs: dict[GraphKey, Graph] = {}
         self.closed = False
         self.stats = CaptureStats()
         self._pool = torch.cuda.graph_pool_handle() if kind == "cuda" else None
@@ -73,7 +73,7 @@ class GraphManager:
             )
         name = f"{mode.name}{tuple(key)}"
         if mode is RuntimeMode.FULL:
-            graph: Graph | PiecewiseGraph = self._full(name, fn, inputs)
+            graph: Graph = self._full(name, fn, inputs)
             count = 1
         elif mode is RuntimeMode.PIECEWISE:
             graph = self._piecewise(name, fn, inputs)

@@ -14,7 +14,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 import decodegraph.attention.layer  # noqa: F401  (registers the attention op)
-from decodegraph.graphs.graph import GraphFn, compile_with_inductor, trace
+from decodegraph.graphs.graph import Graph, GraphFn, compile_with_inductor, trace
 
 ATTENTION_OP = torch.ops.decodegraph.unified_attention.default
 
@@ -87,7 +87,7 @@ class CudaPiece(torch.nn.Module):
         return self._outputs
 
 
-class PiecewiseGraph:
+class PiecewiseGraph(Graph):
     """A split forward whose pieces are graphs; attention runs eagerly."""
 
     def __init__(
@@ -97,7 +97,7 @@ class PiecewiseGraph:
         inputs: Sequence[torch.Tensor],
         make_piece: Callable[[torch.fx.GraphModule, tuple], Callable[..., object]],
     ) -> None:
-        self.name = name
+        super().__init__(name, inputs)
         self.split, self.piece_names = split_at_attention(trace(fn, inputs))
         recorder = _PieceRecorder(self.split, set(self.piece_names))
         with torch.no_grad():
@@ -105,14 +105,12 @@ class PiecewiseGraph:
             for piece_name in self.piece_names:
                 piece = getattr(self.split, piece_name)
                 setattr(self.split, piece_name, make_piece(piece, recorder.args[piece_name]))
-        self.num_replays = 0
 
     @property
     def num_pieces(self) -> int:
         return len(self.piece_names)
 
-    def replay(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        self.num_replays += 1
+    def _run(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         out = self.split(*inputs)
         return out[0] if isinstance(out, (list, tuple)) else out
 

@@ -49,3 +49,9 @@ class Platform:
 
     def memory_allocated(self) -> int:
         return 0
+
+    def reset_peak_memory(self) -> None:
+        """Start a peak-memory measurement (profiling run)."""
+
+    def peak_memory_allocated(self) -> int:
+        return 0

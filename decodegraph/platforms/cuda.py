@@ -32,3 +32,9 @@ class CudaPlatform(Platform):
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated()
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated()

@@ -19,7 +19,7 @@ from decodegraph.attention.forward_context import ForwardContext, set_forward_co
 from decodegraph.config import EngineConfig
 from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from decodegraph.graphs.dispatcher import BatchDescriptor, CudagraphDispatcher
-from decodegraph.graphs.manager import CaptureStats, GraphManager
+from decodegraph.graphs.manager import CaptureClosedError, CaptureStats, GraphManager
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, resolve_cudagraph_mode
 from decodegraph.models.llama import get_head_dim
 from decodegraph.models.loader import get_model
@@ -82,6 +82,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.num_blocks = 0
+        self.profile_peak_bytes = 0
         self.mode = CUDAGraphMode.NONE
         self.dispatcher = CudagraphDispatcher(CUDAGraphMode.NONE, [])
         self.graphs: GraphManager | None = None
@@ -115,12 +116,16 @@ class ModelRunner:
         Its attention metadata has no requests, so it writes no KV cache.
         """
         n = self.max_num_tokens
+        self.platform.reset_peak_memory()
+        before = self.platform.memory_allocated()
         md = self._metadata(0, 0, 0, 0, False, [0], [], self.max_num_reqs, n)
         self.attn_backend.set_eager_metadata(md)
         with set_forward_context(ForwardContext(self.attn_backend, EAGER_SLOT)):
             hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
             self.model.compute_logits(hidden[: self.max_num_reqs])
         self.platform.synchronize()
+        # Activation peak of the largest batch; graphs keep their own pool of about this.
+        self.profile_peak_bytes = max(0, self.platform.peak_memory_allocated() - before)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
@@ -143,22 +148,31 @@ class ModelRunner:
             [self.attn_backend.cudagraph_support],
             self.platform.supports_graphs,
         )
-        sizes = [s for s in self.capture_sizes() if s <= self.max_num_tokens]
-        self.dispatcher = CudagraphDispatcher(self.mode, sizes)
+        self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes(), self.max_num_reqs)
         return self.mode
 
     def capture_sizes(self) -> list[int]:
+        """Token counts to capture: the listed sizes up to max_num_batched_tokens (mixed
+        keys count tokens), or the platform's defaults up to max_num_seqs; decode keys
+        are further limited to max_num_seqs by the dispatcher."""
         cc = self.config.compilation_config
-        sizes = cc.cudagraph_capture_sizes or self.platform.default_capture_sizes
-        limit = min(cc.max_cudagraph_capture_size or self.max_num_reqs, self.max_num_reqs)
-        sizes = [s for s in sizes if s <= limit]
-        # A bucket list must contain its own maximum (a nano-vllm pitfall).
-        if cc.max_cudagraph_capture_size and limit not in sizes and not cc.cudagraph_capture_sizes:
+        limit = self.max_num_tokens if cc.cudagraph_capture_sizes else self.max_num_reqs
+        if cc.max_cudagraph_capture_size:
+            limit = min(limit, cc.max_cudagraph_capture_size)
+        sizes = [
+            s
+            for s in cc.cudagraph_capture_sizes or self.platform.default_capture_sizes
+            if s <= limit
+        ]
+        # A default bucket list must contain its own maximum (a nano-vllm pitfall).
+        if not cc.cudagraph_capture_sizes and cc.max_cudagraph_capture_size and limit not in sizes:
             sizes.append(limit)
         return sorted(set(sizes))
 
     def capture_graphs(self) -> CaptureStats:
         """Capture every graph the dispatcher can ask for; then close capture."""
+        if self.graphs is not None and self.graphs.closed:
+            raise CaptureClosedError("graphs are captured once, at start-up")
         kind = self.platform.graph_capture_kind or "cpu"
         self.graphs = GraphManager(
             kind, self.config.compilation_config, self.platform.default_inductor_options
@@ -173,14 +187,7 @@ class ModelRunner:
     def _capture_one(self, mode: RuntimeMode, key: BatchDescriptor) -> None:
         n = key.num_tokens
         b = self.buffers
-        inputs = [
-            b.input_ids.gpu[:n],
-            b.positions.gpu[:n],
-            b.slot_mapping.gpu[:n],
-            b.seq_lens.gpu,
-            b.block_tables.gpu,
-            b.query_start_loc.gpu,
-        ]
+        inputs = self._buffer_views(n)
         # Dummy lengths of 1 (every row reads the null block) with workspaces sized
         # for max_model_len at allocation; K/V of the capture run go to the null block.
         reqs = n if key.uniform else 1
@@ -202,9 +209,29 @@ class ModelRunner:
             fn = self._hidden_fn
         with set_forward_context(ForwardContext(self.attn_backend, slot)):
             self.graphs.capture(mode, key, fn, inputs)
-        self._graph_inputs[key] = inputs
         b.slot_mapping.np[:n] = -1
         b.seq_lens.np[:reqs] = 0
+
+    def _buffer_views(self, num_tokens: int) -> list[torch.Tensor]:
+        """A graph's inputs: views of the persistent buffers (the model reads the first
+        two; the rest are listed so their addresses are checked too)."""
+        b = self.buffers
+        return [
+            b.input_ids.gpu[:num_tokens],
+            b.positions.gpu[:num_tokens],
+            b.slot_mapping.gpu[:num_tokens],
+            b.seq_lens.gpu,
+            b.block_tables.gpu,
+            b.query_start_loc.gpu,
+        ]
+
+    def _replay_inputs(self, key: BatchDescriptor) -> list[torch.Tensor]:
+        """Fresh views of the current buffers on a graph's first replay (which checks
+        their addresses against capture), the same list afterwards."""
+        inputs = self._graph_inputs.get(key)
+        if inputs is None:
+            inputs = self._graph_inputs[key] = self._buffer_views(key.num_tokens)
+        return inputs
 
     def _hidden_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, *_: object):
         return self.model(input_ids, positions)
@@ -318,7 +345,8 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         step = self._prepare(so)
         logits = self._forward(step)
-        self.mode_counts[("decode" if step.key.uniform else "mixed", step.mode.name)] += 1
+        kind = "decode" if step.num_tokens == step.num_reqs else "mixed"
+        self.mode_counts[(kind, step.mode.name)] += 1
         req_ids = [r.request_id for r in so.scheduled_requests]
         sampled: list[int | None] = [None] * step.num_reqs
         logprobs: list | None = None
@@ -343,13 +371,13 @@ class ModelRunner:
         with set_forward_context(ForwardContext(backend, EAGER_SLOT)):
             if step.mode is RuntimeMode.FULL:
                 backend.update_graph_params(self._graph_slots[step.key], step.metadata)
-                out = self.graphs.replay(step.mode, step.key, self._graph_inputs[step.key])
+                out = self.graphs.replay(step.mode, step.key, self._replay_inputs(step.key))
                 if step.key.uniform:
                     return out[: step.num_reqs]
                 hidden = out
             elif step.mode is RuntimeMode.PIECEWISE:
                 backend.set_eager_metadata(step.metadata)
-                hidden = self.graphs.replay(step.mode, step.key, self._graph_inputs[step.key])
+                hidden = self.graphs.replay(step.mode, step.key, self._replay_inputs(step.key))
             else:
                 backend.set_eager_metadata(step.metadata)
                 n = step.num_tokens

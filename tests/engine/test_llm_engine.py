@@ -96,10 +96,10 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_without_changing_ids(
 
 
 # 128 tokens need 8 blocks of 16 (+ the null block): 10 is a little over one sequence.
-# In bytes: 10 blocks of 20480 plus the attention workspace (16 sequences x 8 blocks x 4096).
+# In bytes: exactly 10 blocks of 20480 (kv_cache_memory_bytes is the KV cache size, as in vLLM).
 TINY_KV_BUDGETS = [
     {"num_gpu_blocks_override": 10},
-    {"kv_cache_memory_bytes": 10 * 20480 + 16 * 8 * 4096},
+    {"kv_cache_memory_bytes": 10 * 20480},
 ]
 
 

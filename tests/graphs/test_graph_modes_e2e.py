@@ -193,18 +193,27 @@ def test_prefix_cache_hits_match_mode_none(
 
 
 def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir: Path) -> None:
+    """Mixed keys count tokens (up to max_num_batched_tokens); decode keys count requests."""
     llm = LLM(
         str(stories_dir),
         compilation_config={
-            "cudagraph_mode": "PIECEWISE",
-            "cudagraph_capture_sizes": [1, 4, 16],
+            "cudagraph_mode": "FULL_AND_PIECEWISE",
+            "cudagraph_capture_sizes": [1, 4, 16, 32],
             "use_inductor": False,
         },
         max_model_len=64,
         max_num_seqs=8,
         max_num_batched_tokens=16,
     )
-    assert llm.llm_engine.runner.dispatcher.capture_sizes == [1, 4, 16]
+    runner = llm.llm_engine.runner
+    assert runner.dispatcher.capture_sizes == [1, 4, 16]
+    # Full decode graphs for 1 and 4 requests; 6 pieces for each of the three sizes.
+    assert runner.capture_stats.num_graphs == 2 + 3 * 6
+    prompts = _prompts("stories", 2, (20, 30), seed=9)  # chunks of 16 tokens
+    before = dict(runner.mode_counts)
+    eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=8)
+    assert _run(llm, prompts, 6) == _run(eager, prompts, 6)
+    assert runner.mode_counts[("mixed", "PIECEWISE")] > before.get(("mixed", "PIECEWISE"), 0)
 
 
 # ---------------------------------------------------------------- counts and capture
