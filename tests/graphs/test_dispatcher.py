@@ -169,3 +169,18 @@ def test_a_size_list_without_small_sizes_runs_small_batches_padded() -> None:
     d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [8])
     assert d.dispatch(_decode(1)) == (R.FULL, _decode(8))
     assert d.dispatch(_decode(9)) == (R.NONE, _decode(9))
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_decode_keys_stop_at_max_num_reqs_and_mixed_keys_do_not(mode: CUDAGraphMode) -> None:
+    """A uniform decode batch has one token per request, so it never exceeds max_num_reqs;
+    mixed keys count tokens and keep every size."""
+    d = CudagraphDispatcher(mode, SIZES, max_num_reqs=4)
+    if mode.decode_mode() is R.FULL and mode is not M.FULL:
+        assert d.keys[R.FULL] == [_decode(n) for n in (1, 2, 4)]
+    if mode.mixed_mode() is not R.NONE:
+        assert [k.num_tokens for k in d.keys[mode.mixed_mode()]] == SIZES
+    assert d.dispatch(_decode(3))[1].num_tokens == (3 if mode is M.NONE else 4)
+    mixed_mode, key = d.dispatch(_mixed(12, 3))
+    assert mixed_mode is mode.mixed_mode()
+    assert key.num_tokens == (12 if mixed_mode is R.NONE else 16)
