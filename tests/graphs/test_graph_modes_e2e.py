@@ -216,6 +216,51 @@ def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir
     assert runner.mode_counts[("mixed", "PIECEWISE")] > before.get(("mixed", "PIECEWISE"), 0)
 
 
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_seeded_sampling_and_logprobs_match_mode_none(
+    engine: Callable[..., LLM], mode: str
+) -> None:
+    """Graphs replay the same ops: sampled ids and logprobs match, not only the argmax."""
+    prompts = _prompts("stories", 4, (0, 6), seed=13)
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.8, seed=i, logprobs=2, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+
+    def run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [
+            (
+                o.outputs[0].token_ids,
+                [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+            )
+            for o in outs
+        ]
+
+    expected = run(engine("stories", "NONE"))
+    actual = run(engine("stories", mode))
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(actual, expected, strict=True):
+        assert ids == ref_ids
+        for step, ref_step in zip(logprobs, ref_logprobs, strict=True):
+            assert step.keys() == ref_step.keys()
+            assert list(step.values()) == pytest.approx(list(ref_step.values()), abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", GRAPH_MODES)
+def test_aborts_mid_decode_leak_no_kv_blocks(engine: Callable[..., LLM], mode: str) -> None:
+    eng = engine("llama-gqa", mode).llm_engine
+    free_before = eng.get_stats().num_free_blocks
+    for i, prompt in enumerate(_prompts("llama-gqa", 6, (2, 20), seed=17)):
+        eng.add_request(f"abort-{mode}-{i}", prompt, _greedy(12))
+    for _ in range(4):
+        eng.step()
+    eng.abort_request([f"abort-{mode}-{i}" for i in range(0, 6, 2)])
+    while eng.has_unfinished_requests():
+        eng.step()
+    stats = eng.get_stats()
+    assert stats.num_free_blocks == free_before == stats.num_blocks
+
+
 # ---------------------------------------------------------------- counts and capture
 
 
