@@ -7,6 +7,8 @@ softmax(q k^T * scale) v over the request's dense K/V (causal, with the context 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -300,3 +302,45 @@ def test_backends_declare_their_graph_support() -> None:
         CUDATorchAttentionBackend.cudagraph_support
         is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     )
+
+
+_OVERSIZED_DECODE = """
+import torch
+from decodegraph.attention.backends.base import AttentionMetadata
+from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
+b = CPUAttentionBackend(4, 2, 8, 0.35, 4, 32)
+shape = (40, 4, 2, 8)
+b.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape))])
+b.allocate_workspace(64, torch.float32, torch.device("cpu"))
+n = 64  # the metadata claims 64 requests; the tensors hold 2 rows
+md = AttentionMetadata(
+    num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=32, uniform_decode=True,
+    query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[32] * n,
+    query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+    seq_lens=torch.full((n,), 32, dtype=torch.int32),
+    block_tables=torch.full((n, 8), 39, dtype=torch.int32),
+    slot_mapping=torch.full((n,), 10**9, dtype=torch.int64),
+)
+b.set_eager_metadata(md)
+try:
+    b.forward(torch.randn(2, 32), torch.randn(2, 16), torch.randn(2, 16), 0, 0)
+except (ValueError, RuntimeError, IndexError, AssertionError) as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="CPUAttentionBackend._decode_native passes md.num_reqs and the slot mapping to "
+    "the C kernel without checking them against the tensors' shapes or the cache size, so "
+    "inconsistent metadata reads and writes out of bounds (a segfault, not an error)",
+)
+def test_the_c_decode_kernel_refuses_metadata_larger_than_its_tensors() -> None:
+    if load_paged_decode() is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    # In a child process: an unchecked kernel call may crash the interpreter.
+    proc = subprocess.run(
+        [sys.executable, "-c", _OVERSIZED_DECODE], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"the kernel crashed (signal {-proc.returncode})"
+    assert "refused:" in proc.stdout

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.dispatcher import BatchDescriptor
 from decodegraph.graphs.manager import CaptureClosedError
@@ -259,6 +260,29 @@ def test_aborts_mid_decode_leak_no_kv_blocks(engine: Callable[..., LLM], mode: s
         eng.step()
     stats = eng.get_stats()
     assert stats.num_free_blocks == free_before == stats.num_blocks
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="ModelRunner.capture_sizes limits the platform's default sizes by max_num_seqs "
+    "only; with max_num_batched_tokens below it (8 < 16 here) it captures sizes larger than "
+    "the persistent buffers, and start-up fails (a shape error on the tensor-op path, a "
+    "segfault in the C decode kernel)",
+)
+def test_default_capture_sizes_stop_at_max_num_batched_tokens(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tensor-op path fails cleanly where the unchecked C kernel would crash the run.
+    monkeypatch.setattr(CPUAttentionBackend, "use_native_kernel", False)
+    llm = LLM(
+        str(stories_dir),
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "use_inductor": False},
+        max_model_len=64,
+        max_num_seqs=16,
+        max_num_batched_tokens=8,
+    )
+    assert max(llm.llm_engine.runner.dispatcher.capture_sizes) <= 8
 
 
 # ---------------------------------------------------------------- counts and capture
