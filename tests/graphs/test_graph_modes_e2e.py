@@ -217,6 +217,31 @@ def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir
     assert runner.mode_counts[("mixed", "PIECEWISE")] > before.get(("mixed", "PIECEWISE"), 0)
 
 
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+@pytest.mark.parametrize(
+    "settings",
+    [{"block_size": 8}, {"block_size": 32, "max_model_len": 100}, {"dtype": "bfloat16"}],
+    ids=["block8", "block32", "bf16"],
+)
+def test_other_block_sizes_and_bfloat16_match_mode_none(
+    stories_dir: Path, mode: str, settings: dict[str, object]
+) -> None:
+    kwargs: dict[str, object] = {"max_model_len": 128, "max_num_seqs": 8, **settings}
+    prompts = _prompts("stories", 6, (0, 20), seed=19)
+    eager = LLM(str(stories_dir), enforce_eager=True, **kwargs)
+    llm = LLM(
+        str(stories_dir),
+        compilation_config={
+            "cudagraph_mode": mode,
+            "cudagraph_capture_sizes": [1, 4, 8],
+            "use_inductor": False,
+        },
+        **kwargs,
+    )
+    assert _run(llm, prompts, 12) == _run(eager, prompts, 12)
+    assert llm.llm_engine.runner.mode_counts[("decode", "FULL")] == 11
+
+
 @pytest.mark.parametrize("mode", GRAPH_MODES)
 def test_seeded_sampling_and_logprobs_match_mode_none(
     engine: Callable[..., LLM], mode: str
