@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,7 +56,8 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str],
                 compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES},
                 max_model_len=128,
                 max_num_seqs=16,
-                gpu_memory_utilization=0.3,
+                # An exact KV size: several engines share the device in this module.
+                kv_cache_memory_bytes=16 << 20,
             )
         return cache[mode]
 
@@ -139,3 +141,20 @@ def test_a_late_capture_raises(engine: Callable[[str], LLM]) -> None:
     runner = engine("FULL_DECODE_ONLY").llm_engine.runner
     with pytest.raises(CaptureClosedError):
         runner._capture_one(RuntimeMode.FULL, BatchDescriptor(1, 1, True))
+
+
+def test_a_small_model_starts_with_graphs_and_the_default_memory_budget(
+    tmp_path: Path,
+) -> None:
+    """The graph-pool reserve must not push the budget of a small model below zero."""
+    llm = LLM(
+        str(make_checkpoint(tmp_path, "llama-gqa")),
+        device="cuda",
+        skip_tokenizer_init=True,
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1]},
+        max_model_len=128,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.5,
+    )
+    runner = llm.llm_engine.runner
+    assert runner.num_blocks - 1 >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq

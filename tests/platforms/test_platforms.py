@@ -202,3 +202,27 @@ def test_enforce_eager_means_mode_none_without_a_downgrade_warning(
     assert llm.llm_engine.runner.mode is CUDAGraphMode.NONE
     assert llm.llm_engine.runner.capture_stats.num_graphs == 0
     assert _mode_warnings(caplog) == []
+
+
+class PeakReportingCpuPlatform(CpuPlatform):
+    """A CPU platform that reports an activation peak for the profiling run, as a device
+    platform does (8 MiB: about what a 2048-token profile run of a small model peaks at)."""
+
+    def peak_memory_allocated(self) -> int:
+        return 8 << 20
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="LLMEngine._num_kv_blocks caps the budget at every sequence at full length "
+    "first and only then subtracts the workspace and the graph-pool reserve "
+    "(profile_peak_bytes), so a small model on a large device gets a negative budget and "
+    "refuses to start; the reserve should come out of the available memory before the cap",
+)
+def test_the_graph_pool_reserve_does_not_starve_a_small_model(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _start(stories_dir, monkeypatch, PeakReportingCpuPlatform, "FULL_DECODE_ONLY")
+    runner = llm.llm_engine.runner
+    assert runner.num_blocks - 1 >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
