@@ -105,11 +105,11 @@ class LLMEngine:
             budget = self.platform.available_kv_cache_memory(
                 cc.gpu_memory_utilization, self.platform.memory_allocated()
             )
-            # More than every sequence at full length is of no use but prefix caching.
-            budget = min(budget, (runner.max_num_reqs * blocks_per_seq + 1) * per_block)
             budget -= runner.workspace_bytes(runner.max_num_reqs)
             if not self.config.enforce_eager:
                 budget -= runner.profile_peak_bytes
+            # More than every sequence at full length is of no use but prefix caching.
+            budget = min(budget, (runner.max_num_reqs * blocks_per_seq + 1) * per_block)
             num_blocks = max(0, budget) // per_block
         needed = blocks_per_seq + 1  # one full-length sequence plus the null block
         if num_blocks < needed:

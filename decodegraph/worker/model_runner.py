@@ -156,7 +156,9 @@ class ModelRunner:
         keys count tokens), or the platform's defaults up to max_num_seqs; decode keys
         are further limited to max_num_seqs by the dispatcher."""
         cc = self.config.compilation_config
-        limit = self.max_num_tokens if cc.cudagraph_capture_sizes else self.max_num_reqs
+        limit = self.max_num_tokens
+        if not cc.cudagraph_capture_sizes:
+            limit = min(limit, self.max_num_reqs)
         if cc.max_cudagraph_capture_size:
             limit = min(limit, cc.max_cudagraph_capture_size)
         sizes = [

@@ -287,14 +287,6 @@ def test_aborts_mid_decode_leak_no_kv_blocks(engine: Callable[..., LLM], mode: s
     assert stats.num_free_blocks == free_before == stats.num_blocks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="ModelRunner.capture_sizes limits the platform's default sizes by max_num_seqs "
-    "only; with max_num_batched_tokens below it (8 < 16 here) it captures sizes larger than "
-    "the persistent buffers, and start-up fails (a shape error on the tensor-op path, a "
-    "segfault in the C decode kernel)",
-)
 def test_default_capture_sizes_stop_at_max_num_batched_tokens(
     stories_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -212,14 +212,6 @@ class PeakReportingCpuPlatform(CpuPlatform):
         return 8 << 20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="LLMEngine._num_kv_blocks caps the budget at every sequence at full length "
-    "first and only then subtracts the workspace and the graph-pool reserve "
-    "(profile_peak_bytes), so a small model on a large device gets a negative budget and "
-    "refuses to start; the reserve should come out of the available memory before the cap",
-)
 def test_the_graph_pool_reserve_does_not_starve_a_small_model(
     stories_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

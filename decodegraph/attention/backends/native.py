@@ -32,7 +32,7 @@ _FLAG_SETS = (
     ["-O3", "-ffast-math", "-fPIC"],
 )
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P] * 6 + [_P, _P, _I, _P] + [_I] * 9 + [ctypes.c_float, _P]
+_ARGTYPES = [_P] * 6 + [_P, _P, _I, _P] + [_I] * 9 + [ctypes.c_float, _P, _I, _I, _I]
 
 
 def _cpu_id() -> str:
@@ -87,7 +87,7 @@ def load_paged_decode() -> ctypes._CFuncPtr | None:
             logger.debug("kernel load failed: %s", e)
             continue
         fn.argtypes = _ARGTYPES
-        fn.restype = None
+        fn.restype = ctypes.c_int
         return fn
     logger.warning(
         "No C compiler could build the CPU decode-attention kernel; using tensor ops "

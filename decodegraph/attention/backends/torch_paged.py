@@ -51,6 +51,7 @@ class CPUAttentionBackend(AttentionBackend):
         kvh, d = self.num_kv_heads, self.head_size
         self._slots_view = [(k.view(-1, kvh, d), v.view(-1, kvh, d)) for k, v in kv_caches]
         self._block_view = [(k.view(k.shape[0], -1), v.view(v.shape[0], -1)) for k, v in kv_caches]
+        self._cache_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
@@ -66,6 +67,16 @@ class CPUAttentionBackend(AttentionBackend):
         )
         group = self.num_heads // self.num_kv_heads
         self._scores = torch.empty(group * self.max_blocks_per_seq * self.block_size)
+        self._native_consts = (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.block_size,
+            self.scale,
+            self._scores.data_ptr(),
+            self.kv_caches[0][0].shape[0],  # blocks in each cache
+        )
+        self._native_max_len = self.max_blocks_per_seq * self.block_size
 
     def forward(
         self,
@@ -110,15 +121,23 @@ class CPUAttentionBackend(AttentionBackend):
         """The whole layer's decode attention (KV write included) in one C call."""
         if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        n = md.num_reqs
+        if not n <= min(
+            query.shape[0],
+            md.slot_mapping.shape[0],
+            md.block_tables.shape[0],
+            md.seq_lens_host.shape[0],
+        ):
+            raise ValueError(f"attention metadata: {n} requests exceed the batch's tensors")
         out = torch.empty(query.shape, dtype=query.dtype)
-        k_cache, v_cache = self.kv_caches[layer_idx]
-        self._native(
+        k_ptr, v_ptr = self._cache_ptrs[layer_idx]
+        status = self._native(
             query.data_ptr(),
             key.data_ptr(),
             value.data_ptr(),
             out.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+            k_ptr,
+            v_ptr,
             md.slot_mapping.data_ptr(),
             md.block_tables.data_ptr(),
             md.block_tables.stride(0),
@@ -128,13 +147,15 @@ class CPUAttentionBackend(AttentionBackend):
             query.stride(0),
             key.stride(0),
             value.stride(0),
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-            self.block_size,
-            self.scale,
-            self._scores.data_ptr(),
+            *self._native_consts,
+            md.block_tables.shape[1],
+            self._native_max_len,
         )
+        if status:
+            raise ValueError(
+                "attention metadata: a slot, block id or sequence length is outside the KV "
+                "cache, the block table or max_model_len"
+            )
         return out
 
     def _gather(

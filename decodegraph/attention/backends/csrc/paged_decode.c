@@ -11,21 +11,35 @@
  * q/k/v:  rows of `q_stride` / `k_stride` / `v_stride` floats; head h of row r at
  *         r * stride + h * d.
  * out:    [num_rows, num_heads * head_size]; rows past num_reqs are zeroed.
+ * Returns 0, or non-zero (and touches nothing) when a slot, block id or length is
+ * outside the caches, the block table or the workspace.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-void paged_decode_f32(const float *q, const float *k, const float *v, float *out,
+int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
                       float *k_cache, float *v_cache, const int64_t *slot_mapping,
                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                       int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
                       int64_t v_stride,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                      int64_t block_size, float scale, float *scores)
+                      int64_t block_size, float scale, float *scores, int64_t num_blocks,
+                      int64_t bt_cols, int64_t max_len)
 {
     const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
     const int64_t tok = kvh * d; /* floats per cached token */
+    /* Refuse metadata that would read or write outside the caches (nothing written yet). */
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t s = slot_mapping[r], len = seq_lens[r];
+        if (s >= num_blocks * block_size || len > max_len || len > bt_cols * block_size)
+            return 1;
+        for (int64_t b = 0; b * block_size < len; b++) {
+            const int32_t id = block_tables[r * bt_stride + b];
+            if (id < 0 || id >= num_blocks)
+                return 2;
+        }
+    }
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t s = slot_mapping[r];
         if (s >= 0) {
@@ -90,4 +104,5 @@ void paged_decode_f32(const float *q, const float *k, const float *v, float *out
     }
     for (int64_t r = num_reqs; r < num_rows; r++)
         memset(out + r * num_heads * d, 0, num_heads * d * sizeof(float));
+    return 0;
 }
