@@ -3,6 +3,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# torch builds the CPU attention operator with the ninja installed in the venv.
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: setup demo test lint bench
 
@@ -15,7 +17,7 @@ setup: $(BIN)/python
 
 demo: setup
 	$(BIN)/decodegraph generate --model preset:llama-tiny --load-format dummy \
-		--prompt "Hello, my name is" --max-tokens 32
+		--prompt "Hello, my name is" --max-tokens 32 --temperature 0.8 --sampling-seed 0
 
 test: setup
 	$(BIN)/ruff check decodegraph tests benchmarks

@@ -46,6 +46,9 @@ class InputBuffers:
             (max_num_reqs, max_blocks_per_seq), torch.int32, device, 0
         )
         self.logits_indices = PersistentBuffer((max_num_reqs,), torch.int64, device, 0)
+        # The step's request count as a host tensor (read by native attention operators).
+        self.num_reqs_host = torch.zeros(1, dtype=torch.int32)
+        self.num_reqs_np = self.num_reqs_host.numpy()
         # Per row: which request wrote it and how many columns (stale-tail clearing, and
         # skipping rewrites: a decoding request's table changes once per block).
         self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)

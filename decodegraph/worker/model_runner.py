@@ -197,6 +197,7 @@ class ModelRunner:
         b.seq_lens.np[:reqs] = 1
         b.query_start_loc.np[: reqs + 1] = np.arange(reqs + 1) if key.uniform else [0, n]
         b.copy_to_device(n, reqs)
+        b.num_reqs_np[0] = reqs
         # Mixed-batch graphs serve any number of requests: their views span the buffers.
         views = reqs if key.uniform else self.max_num_reqs
         md = self._metadata(reqs, n, n // reqs, 1, key.uniform, None, [1] * reqs, views, n)
@@ -270,6 +271,7 @@ class ModelRunner:
                 b.block_tables.gpu[:padded_reqs],
                 b.slot_mapping.gpu[:padded_tokens],
                 b.seq_lens.cpu[:padded_reqs],
+                b.num_reqs_host,
             )
             self._views[(padded_reqs, padded_tokens)] = views
         return AttentionMetadata(
@@ -330,6 +332,7 @@ class ModelRunner:
             qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
             b.clear_block_rows(num_reqs, padded_reqs)
         b.copy_to_device(padded_tokens, padded_reqs)
+        b.num_reqs_np[0] = num_reqs
         md = self._metadata(
             num_reqs,
             num_tokens,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from decodegraph.attention.backends.base import EAGER_SLOT, AttentionMetadata
-from decodegraph.attention.backends.native import load_paged_decode
+from decodegraph.attention.backends.native import load_decode_op
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
@@ -50,7 +50,7 @@ class TorchOpsAttentionBackend(CPUAttentionBackend):
 @pytest.fixture(params=["native", "torch-ops"])
 def kernel(request: pytest.FixtureRequest) -> str:
     """Decode runs in the C kernel (when it builds here) or in tensor ops: test both."""
-    if request.param == "native" and load_paged_decode() is None:
+    if request.param == "native" and load_decode_op() is None:
         pytest.skip("the C decode kernel cannot be built here (no C compiler)")
     return request.param
 
@@ -330,7 +330,7 @@ except (ValueError, RuntimeError, IndexError, AssertionError) as e:
 
 
 def test_the_c_decode_kernel_refuses_metadata_larger_than_its_tensors() -> None:
-    if load_paged_decode() is None:
+    if load_decode_op() is None:
         pytest.skip("the C decode kernel cannot be built here (no C compiler)")
     # In a child process: an unchecked kernel call may crash the interpreter.
     proc = subprocess.run(
@@ -338,3 +338,10 @@ def test_the_c_decode_kernel_refuses_metadata_larger_than_its_tensors() -> None:
     )
     assert proc.returncode == 0, f"the kernel crashed (signal {-proc.returncode})"
     assert "refused:" in proc.stdout
+
+
+def test_loading_the_native_operator_keeps_ieee_subnormals() -> None:
+    # A library linked with -ffast-math would switch the process to flush-to-zero.
+    if load_decode_op() is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    assert sys.float_info.min / 4 > 0.0

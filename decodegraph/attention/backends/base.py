@@ -39,10 +39,14 @@ class AttentionMetadata:
     # Host copy of seq_lens (int32, on CPU) that CPU kernels read. A graph slot owns a
     # private one, so its values are baked until update_graph_params refreshes them.
     seq_lens_host: torch.Tensor | None = None
+    # num_reqs as a one-element int32 CPU tensor, for operators that read it at run time.
+    num_reqs_host: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.seq_lens_host is None:
             self.seq_lens_host = self.seq_lens.to("cpu", torch.int32)
+        if self.num_reqs_host is None:
+            self.num_reqs_host = torch.tensor([self.num_reqs], dtype=torch.int32)
 
     # Host fields, the ones `update_graph_params` copies into a graph's slot.
     HOST_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -91,8 +95,9 @@ class AttentionBackend:
 
     def new_graph_slot(self, metadata: AttentionMetadata) -> int:
         """A slot for a graph about to be captured, holding its capture-time metadata."""
-        if metadata.seq_lens_host is not None:
-            metadata.seq_lens_host = metadata.seq_lens_host.clone()
+        # A graph's own host tensors: their values are baked until the next update.
+        metadata.seq_lens_host = metadata.seq_lens_host.clone()
+        metadata.num_reqs_host = metadata.num_reqs_host.clone()
         self.slots.append(metadata)
         return len(self.slots) - 1
 
@@ -106,9 +111,9 @@ class AttentionBackend:
         assert target is not None and slot != EAGER_SLOT
         for name in AttentionMetadata.HOST_FIELDS:
             setattr(target, name, getattr(metadata, name))
-        if target.seq_lens_host is not None:
-            n = metadata.num_reqs
-            target.seq_lens_host[:n].copy_(metadata.seq_lens_host[:n])
+        n = metadata.num_reqs
+        target.seq_lens_host[:n].copy_(metadata.seq_lens_host[:n])
+        target.num_reqs_host.copy_(metadata.num_reqs_host)
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device

@@ -1,46 +1,40 @@
-"""The CPU decode-attention kernel in C, built on first use and loaded with ctypes.
+"""The CPU decode-attention operator, built from C/C++ on first use.
 
-No library ships a paged decode attention for CPU that we could depend on, and a
-dozen small tensor ops per layer cost more than the attention itself at batch 1, so
-one C function does a layer's decode attention. It is compiled with the system C
-compiler into a per-user cache (keyed by source, flags and CPU), once. Where no
-compiler works, `load_paged_decode()` returns None and the backend keeps its
-tensor-op path (also used for float16/bfloat16 and mixed batches).
+No library ships a paged decode attention for CPU that we could depend on, and at
+batch 1 a dozen small tensor ops per layer (or a Python-level op) cost more than the
+attention itself, so `decodegraph_cpu::paged_decode` does a layer's decode attention
+in one C++ operator (csrc/paged_decode_op.cpp around the C kernel in
+csrc/paged_decode.c). It is compiled once per machine with torch's extension builder
+into a cache keyed by the sources, flags and CPU (~25 s the first time). Where it
+cannot be built, `load_decode_op()` returns None and the backend keeps its tensor-op
+path (also used for float16/bfloat16 and mixed batches).
 Set DECODEGRAPH_NATIVE_KERNELS=0 to disable it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-# -ffast-math at compile time only (vectorised expf, reassociated sums); linking with it
-# would pull in crtfastmath.o, which sets flush-to-zero for the whole user process.
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-ffast-math", "-fPIC"],
-    ["-O3", "-ffast-math", "-fPIC"],
-)
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P] * 6 + [_P, _P, _I, _P] + [_I] * 9 + [ctypes.c_float, _P, _I, _I, _I]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = (_CSRC / "paged_decode_op.cpp", _CSRC / "paged_decode.c")
+# -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
+# with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
+_FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
 
 
 def _cpu_id() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
-        return next(
-            (ln for ln in text.splitlines() if ln.startswith("flags")), platform.processor()
-        )
+        return next((ln for ln in text.splitlines() if ln.startswith("flags")), platform.processor())
     except OSError:
         return platform.processor()
 
@@ -50,47 +44,43 @@ def _cache_dir() -> Path:
     return Path(base) / "decodegraph" / "kernels"
 
 
-def _build(flags: list[str], target: Path) -> bool:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, out = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for cmd in (
-            [compiler, *flags, "-c", "-o", str(obj), str(_SOURCE)],
-            [compiler, "-shared", "-o", str(out), str(obj), "-lm"],
-        ):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                logger.debug("kernel build failed: %s: %s", cmd, proc.stderr)
-                return False
-        os.replace(out, target)  # atomic: concurrent builders never see half a file
-    return True
+def _register_fake() -> None:
+    @torch.library.register_fake("decodegraph_cpu::paged_decode")
+    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+          num_reqs, scale, workspace):  # noqa: ANN001, ANN202
+        return query.new_empty(query.shape)
 
 
 @cache
-def load_paged_decode() -> ctypes._CFuncPtr | None:
-    """The compiled `paged_decode_f32`, or None when it cannot be built here."""
+def load_decode_op() -> torch._ops.OpOverload | None:
+    """`torch.ops.decodegraph_cpu.paged_decode.default`, or None where it cannot be built."""
     if os.environ.get("DECODEGRAPH_NATIVE_KERNELS", "1") == "0":
         return None
-    source = _SOURCE.read_bytes()
+    from torch.utils.cpp_extension import load
+
+    source = b"".join(p.read_bytes() for p in _SOURCES)
     for flags in _FLAG_SETS:
-        salt = " ".join(flags) + "|link-separately|" + _cpu_id()
-        key = hashlib.sha256(source + salt.encode()).hexdigest()
-        target = _cache_dir() / f"paged_decode_{key[:16]}.so"
+        salt = " ".join(flags) + "|" + _cpu_id() + "|" + torch.__version__
+        key = hashlib.sha256(source + salt.encode()).hexdigest()[:16]
+        build_dir = _cache_dir() / f"paged_decode_{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            if not target.exists() and not _build(flags, target):
-                continue
-            fn = ctypes.CDLL(str(target)).paged_decode_f32
-        except OSError as e:
-            logger.debug("kernel load failed: %s", e)
+            load(
+                name=f"decodegraph_paged_decode_{key}",
+                sources=[str(_SOURCES[0])],
+                extra_cflags=flags,
+                extra_include_paths=[str(_CSRC)],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure means: fall back
+            logger.debug("decode operator build failed with %s: %s", flags, e)
             continue
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
-        return fn
+        _register_fake()
+        return torch.ops.decodegraph_cpu.paged_decode.default
     logger.warning(
-        "No C compiler could build the CPU decode-attention kernel; using tensor ops "
-        "(slower at small batch)"
+        "The CPU decode-attention operator could not be built (no C++ compiler or torch "
+        "headers?); using tensor ops, slower at small batch"
     )
     return None

@@ -4,10 +4,12 @@ Both write this step's K/V into the paged cache, gather each request's context b
 block table into a workspace allocated once (sized for max_model_len), and call
 `scaled_dot_product_attention`.
 
-- `CPUAttentionBackend` reads host values (lengths) from its metadata slot. On CPU the
-  attention op's Python runs at every replay, so a graph replays correctly as long as
-  `update_graph_params` refreshed the slot: its cost follows the batch's real lengths,
-  not max_model_len, and mixed batches work inside a graph (support ALWAYS).
+- `CPUAttentionBackend` reads host values (lengths, request count) from its metadata
+  slot. On CPU the attention runs its own code at every replay, so a graph replays
+  correctly as long as `update_graph_params` refreshed the slot: its cost follows the
+  batch's real lengths, not max_model_len, and mixed batches work inside a graph
+  (support ALWAYS). Uniform decode of float32 caches is one native operator per layer
+  (`decodegraph_cpu::paged_decode`, see native.py) that reads the slot's host tensors.
 - `CUDATorchAttentionBackend`: inside a CUDA graph no Python runs at replay, so the
   captured decode path may only read device tensors: it gathers max_model_len worth of
   blocks and masks by `seq_lens`. Only uniform single-token decode is graph-safe.
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
-from decodegraph.attention.backends.native import load_paged_decode
+from decodegraph.attention.backends.native import load_decode_op
 from decodegraph.graphs.modes import AttentionCGSupport
 
 
@@ -30,6 +32,9 @@ class CPUAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "CPU_TORCH"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
+    # Uniform decode of float32 caches runs in the native operator (native.py);
+    # subclasses on devices opt out.
+    use_native_kernel: ClassVar[bool] = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
@@ -40,18 +45,14 @@ class CPUAttentionBackend(AttentionBackend):
         # and as block rows [blocks, block_size * kvh * d] (for gathers).
         self._slots_view: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._block_view: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._native = load_paged_decode() if self.use_native_kernel else None
+        self._decode_op = load_decode_op() if self.use_native_kernel else None
         self._scores: torch.Tensor | None = None
-
-    # The C decode kernel serves float32 CPU caches; subclasses on devices opt out.
-    use_native_kernel: ClassVar[bool] = True
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().bind_kv_caches(kv_caches)
         kvh, d = self.num_kv_heads, self.head_size
         self._slots_view = [(k.view(-1, kvh, d), v.view(-1, kvh, d)) for k, v in kv_caches]
         self._block_view = [(k.view(k.shape[0], -1), v.view(v.shape[0], -1)) for k, v in kv_caches]
-        self._cache_ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
@@ -67,16 +68,6 @@ class CPUAttentionBackend(AttentionBackend):
         )
         group = self.num_heads // self.num_kv_heads
         self._scores = torch.empty(group * self.max_blocks_per_seq * self.block_size)
-        self._native_consts = (
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-            self.block_size,
-            self.scale,
-            self._scores.data_ptr(),
-            self.kv_caches[0][0].shape[0],  # blocks in each cache
-        )
-        self._native_max_len = self.max_blocks_per_seq * self.block_size
 
     def forward(
         self,
@@ -90,8 +81,10 @@ class CPUAttentionBackend(AttentionBackend):
         n = md.num_actual_tokens
         if n == 0:  # the profiling run: no requests, nothing to attend or write
             return torch.zeros_like(query)
-        if md.uniform_decode and self._native is not None and query.dtype == torch.float32:
-            return self._decode_native(query, key, value, layer_idx, md)
+        direct = self.decode_op_args(layer_idx, slot)
+        if direct is not None:
+            op, args = direct
+            return op(query, key, value, *args)
         kvh, d = self.num_kv_heads, self.head_size
         k_slots, v_slots = self._slots_view[layer_idx]
         # Padded rows sit at the tail; writing only the first n rows skips them.
@@ -110,53 +103,24 @@ class CPUAttentionBackend(AttentionBackend):
         self._mixed(query, layer_idx, md, full)
         return full
 
-    def _decode_native(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_idx: int,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The whole layer's decode attention (KV write included) in one C call."""
-        if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        n = md.num_reqs
-        if not n <= min(
-            query.shape[0],
-            md.slot_mapping.shape[0],
-            md.block_tables.shape[0],
-            md.seq_lens_host.shape[0],
-        ):
-            raise ValueError(f"attention metadata: {n} requests exceed the batch's tensors")
-        out = torch.empty(query.shape, dtype=query.dtype)
-        k_ptr, v_ptr = self._cache_ptrs[layer_idx]
-        status = self._native(
-            query.data_ptr(),
-            key.data_ptr(),
-            value.data_ptr(),
-            out.data_ptr(),
-            k_ptr,
-            v_ptr,
-            md.slot_mapping.data_ptr(),
-            md.block_tables.data_ptr(),
-            md.block_tables.stride(0),
-            md.seq_lens_host.data_ptr(),
-            md.num_reqs,
-            query.shape[0],
-            query.stride(0),
-            key.stride(0),
-            value.stride(0),
-            *self._native_consts,
-            md.block_tables.shape[1],
-            self._native_max_len,
+    def decode_op_args(self, layer_idx: int, slot: int) -> tuple | None:
+        md = self.slots[slot]
+        if self._decode_op is None or not md.uniform_decode or md.num_actual_tokens == 0:
+            return None
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        if k_cache.dtype != torch.float32:
+            return None
+        args = (
+            k_cache,
+            v_cache,
+            md.slot_mapping,
+            md.block_tables,
+            md.seq_lens_host,
+            md.num_reqs_host,
+            self.scale,
+            self._scores,
         )
-        if status:
-            raise ValueError(
-                "attention metadata: a slot, block id or sequence length is outside the KV "
-                "cache, the block table or max_model_len"
-            )
-        return out
+        return self._decode_op, args
 
     def _gather(
         self, cache_blocks: torch.Tensor, workspace: torch.Tensor, ids: torch.Tensor

@@ -3,8 +3,8 @@
  *
  * Writes each request's new K/V into its cache slot (slot -1: a padded row, skipped),
  * then attends over the request's context through its block table. One call does a
- * whole layer, so a decode step pays one foreign call per layer instead of a dozen
- * tensor ops. `scores` is a workspace of num_heads / num_kv_heads * max_model_len
+ * whole layer (wrapped as a torch operator in paged_decode_op.cpp), so a decode step
+ * pays one operator call per layer instead of a dozen tensor ops. `scores` is a workspace of num_heads / num_kv_heads * max_model_len
  * floats, allocated once by the caller (an op never allocates inside a graph).
  *
  * Caches: [num_blocks, block_size, num_kv_heads, head_size], contiguous.

@@ -1,0 +1,65 @@
+// decodegraph_cpu::paged_decode: the C decode kernel as a torch operator.
+//
+// Registered in C++ so that a compiled CPU graph calls it without entering Python:
+// at batch 1 the Python-level attention op cost more than the attention itself.
+// Host parameters (num_reqs and the sequence lengths) arrive as small CPU tensors that
+// belong to a graph's params slot; update_graph_params rewrites them before a replay.
+//
+// The KV caches are written in place but declared as plain inputs: no other operator
+// reads them, and declaring the mutation would make a compiler functionalise the op
+// and copy whole caches every step (DESIGN.md, section 6).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+extern "C" {
+#include "paged_decode.c"
+}
+
+namespace {
+
+at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
+                        double scale, const at::Tensor& workspace) {
+    TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+                "paged_decode: float32 only");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
+                    seq_lens.scalar_type() == at::kInt && num_reqs_host.scalar_type() == at::kInt,
+                "paged_decode: slot_mapping int64, block_tables/seq_lens/num_reqs int32");
+    TORCH_CHECK(query.stride(-1) == 1 && key.stride(-1) == 1 && value.stride(-1) == 1,
+                "paged_decode: q/k/v rows must be contiguous");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
+                "paged_decode: caches must be contiguous [blocks, block_size, kv_heads, head]");
+    const int64_t num_reqs = num_reqs_host.data_ptr<int32_t>()[0];
+    const int64_t rows = query.size(0);
+    TORCH_CHECK(num_reqs >= 0 && num_reqs <= rows && num_reqs <= slot_mapping.size(0) &&
+                    num_reqs <= block_tables.size(0) && num_reqs <= seq_lens.size(0),
+                "paged_decode: ", num_reqs, " requests exceed the batch's tensors");
+    const int64_t num_kv_heads = k_cache.size(2), head_size = k_cache.size(3);
+    const int64_t num_heads = query.size(1) / head_size;
+    const int64_t group = num_heads / num_kv_heads;
+    auto out = at::empty({rows, query.size(1)}, query.options());
+    const int status = paged_decode_f32(
+        query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
+        out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+        slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
+        block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0),
+        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, k_cache.size(1),
+        static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
+        block_tables.size(1), workspace.numel() / group);
+    TORCH_CHECK(status == 0, "paged_decode: a slot, block id or sequence length is outside "
+                "the KV cache, the block table or the workspace");
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(decodegraph_cpu, m) {
+    m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, "
+          "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor num_reqs, "
+          "float scale, Tensor workspace) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
