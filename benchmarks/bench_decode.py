@@ -1,9 +1,10 @@
 """Decode speed per graph mode, beside Hugging Face transformers, in one run.
 
 Measures on one model (stories260K by default):
-- batch-1 decode tokens/s per mode (time from the first to the last token of one
-  request generating --tokens tokens from BOS, EOS ignored);
-- the engine's own per-step work at batch 1 (step time minus model forward time);
+- batch-1 decode tokens/s per mode: one request generates --tokens tokens from BOS
+  (EOS ignored), in --repeats rounds that alternate between the modes; tokens/s is one
+  over the median decode-step time;
+- the engine's own per-step work at batch 1 (median step time minus median forward);
 - start-up seconds, capture seconds and graph count per mode;
 - throughput of --num-requests requests x --batch-tokens tokens per mode;
 - transformers `generate()` at batch 1 and on the batched run, on the same weights.
@@ -34,19 +35,9 @@ DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
-def _decode_tps(llm: LLM, tokens: int, repeats: int) -> float:
-    """Best-of-`repeats` batch-1 decode tokens/s (first token to last)."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    rates = []
-    for _ in range(max(1, repeats)):
-        out = llm.generate({"prompt_token_ids": [1]}, params, use_tqdm=False)[0]
-        m = out.metrics
-        rates.append((len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time))
-    return max(rates)
-
-
-def _step_overhead_us(llm: LLM, tokens: int) -> dict[str, float]:
-    """Median per-step time split into model forward and everything else, batch 1."""
+def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
+    """One batch-1 request of `tokens` tokens from BOS, stepped by hand: the seconds of
+    each decode step and of the model forward inside it (the prefill step dropped)."""
     engine = llm.llm_engine
     runner = engine.runner
     forward_times: list[float] = []
@@ -60,16 +51,13 @@ def _step_overhead_us(llm: LLM, tokens: int) -> dict[str, float]:
 
     runner._forward = timed
     try:
-        engine.add_request(
-            "overhead",
-            {"prompt_token_ids": [1]},
-            SamplingParams(
-                temperature=0,
-                max_tokens=tokens,
-                ignore_eos=True,
-                output_kind=RequestOutputKind.FINAL_ONLY,  # as LLM.generate runs it
-            ),
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=tokens,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # as LLM.generate runs it
         )
+        engine.add_request("decode", {"prompt_token_ids": [1]}, params)
         step_times = []
         while engine.has_unfinished_requests():
             start = time.perf_counter()
@@ -77,10 +65,7 @@ def _step_overhead_us(llm: LLM, tokens: int) -> dict[str, float]:
             step_times.append(time.perf_counter() - start)
     finally:
         runner._forward = original
-    step_times, forward_times = step_times[1:], forward_times[1:]  # drop the prefill step
-    step = statistics.median(step_times) * 1e6
-    forward = statistics.median(forward_times) * 1e6
-    return {"step_us": step, "forward_us": forward, "overhead_us": step - forward}
+    return step_times[1:], forward_times[1:]
 
 
 def _throughput(llm: LLM, num_requests: int, tokens: int) -> float:
@@ -114,8 +99,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--modes", nargs="+", default=MODES)
-    p.add_argument("--tokens", type=int, default=256, help="batch-1 decode length")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (best counts)")
+    p.add_argument("--tokens", type=int, default=500, help="batch-1 decode length")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=200)
     p.add_argument("--skip-hf", action="store_true")
@@ -148,14 +133,20 @@ def main() -> None:
             "num_graphs": runner.capture_stats.num_graphs,
             "batch1_tokens_per_s": 0.0,
         }
+    steps: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in engines}
     for _ in range(args.repeats):
         for mode, llm in engines.items():
-            row = results["modes"][mode]
-            rate = _decode_tps(llm, args.tokens, 1)
-            row["batch1_tokens_per_s"] = max(row["batch1_tokens_per_s"], rate)
+            step_times, forward_times = _decode_steps(llm, args.tokens)
+            steps[mode][0].extend(step_times)
+            steps[mode][1].extend(forward_times)
     for mode, llm in engines.items():
         row = results["modes"][mode]
-        row.update(_step_overhead_us(llm, args.tokens))
+        step = statistics.median(steps[mode][0])
+        forward = statistics.median(steps[mode][1])
+        row["batch1_tokens_per_s"] = 1.0 / step
+        row["step_us"] = step * 1e6
+        row["forward_us"] = forward * 1e6
+        row["overhead_us"] = (step - forward) * 1e6
         if not args.skip_throughput:
             row["batched_tokens_per_s"] = _throughput(llm, args.num_requests, args.batch_tokens)
         print(
