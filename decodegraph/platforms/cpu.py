@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -42,6 +43,14 @@ class CpuPlatform(Platform):
 
     def attention_backend_cls(self) -> type[AttentionBackend]:
         return CPUAttentionBackend
+
+    def memory_allocated(self) -> int:
+        """Resident memory of this process (what graph capture adds shows up here)."""
+        try:
+            resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
         pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

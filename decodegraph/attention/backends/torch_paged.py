@@ -142,7 +142,8 @@ class CPUAttentionBackend(AttentionBackend):
         # Grouped-query attention without repeating K/V: [b, kvh, group, d].
         scores = torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
         if b > 1:
-            beyond = self._positions[: nb * bs] >= md.seq_lens_host[:b, None]
+            lengths = md.seq_lens_host[:b].to(self._positions.device, non_blocking=True)
+            beyond = self._positions[: nb * bs] >= lengths[:, None]
             scores.masked_fill_(beyond.view(b, 1, 1, -1), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
         return out.view(b, self.num_heads * d)
