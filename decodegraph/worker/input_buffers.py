@@ -81,6 +81,8 @@ class InputBuffers:
         self.row_owner[start:end] = [None] * (end - start)
 
     def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
+        if self.input_ids.gpu is self.input_ids.cpu:
+            return  # CPU: the host arrays are the buffers
         for buf in (self.input_ids, self.positions, self.slot_mapping):
             buf.copy_to_device(num_tokens)
         for buf in (self.seq_lens, self.block_tables, self.logits_indices):
