@@ -33,6 +33,11 @@ class Graph:
 
     def check_addresses(self, inputs: Sequence[torch.Tensor]) -> None:
         addresses = [t.data_ptr() for t in inputs]
+        if len(addresses) != len(self._addresses):
+            raise InputAddressError(
+                f"graph {self.name}: {len(addresses)} inputs given, "
+                f"{len(self._addresses)} captured"
+            )
         if addresses != self._addresses:
             bad = [
                 i for i, (a, b) in enumerate(zip(addresses, self._addresses, strict=True)) if a != b

@@ -46,16 +46,14 @@ class GraphManager:
         self,
         kind: str,
         compilation_config: CompilationConfig,
-        inductor_options: dict[str, object] | None = None,
+        inductor_options: Callable[[RuntimeMode, int], dict[str, object]] | None = None,
     ) -> None:
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"graph kind {kind!r} is not cpu or cuda")
         self.kind = kind
         self.config = compilation_config
-        self.inductor_options = {
-            **(inductor_options or {}),
-            **compilation_config.inductor_compile_config,
-        }
+        # The platform's Inductor options for a (mode, size); the user's win over them.
+        self._platform_options = inductor_options or (lambda mode, size: {})
         self.graphs: dict[GraphKey, Graph] = {}
         self.closed = False
         self.stats = CaptureStats()
@@ -72,11 +70,15 @@ class GraphManager:
                 f"capture of {mode.name} {key} after start-up: graphs are captured only once"
             )
         name = f"{mode.name}{tuple(key)}"
+        options = {
+            **self._platform_options(mode, key.num_tokens),
+            **self.config.inductor_compile_config,
+        }
         if mode is RuntimeMode.FULL:
-            graph: Graph = self._full(name, fn, inputs)
+            graph: Graph = self._full(name, fn, inputs, options)
             count = 1
         elif mode is RuntimeMode.PIECEWISE:
-            graph = self._piecewise(name, fn, inputs)
+            graph = self._piecewise(name, fn, inputs, options)
             count = graph.num_pieces
         else:
             raise ValueError(f"no graph to capture for runtime mode {mode.name}")
@@ -84,12 +86,14 @@ class GraphManager:
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
 
-    def _full(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> Graph:
+    def _full(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], options: dict) -> Graph:
         if self.kind == "cuda":
             return CudaGraph(name, fn, inputs, self._pool, self.config.cudagraph_num_of_warmups)
-        return CpuGraph(name, fn, inputs, self.config.use_inductor, self.inductor_options)
+        return CpuGraph(name, fn, inputs, self.config.use_inductor, options)
 
-    def _piecewise(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> PiecewiseGraph:
+    def _piecewise(
+        self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], options: dict
+    ) -> PiecewiseGraph:
         if self.kind == "cuda":
             self._stable.update(t.data_ptr() for t in inputs)
 
@@ -100,7 +104,7 @@ class GraphManager:
 
             return PiecewiseGraph(name, fn, inputs, make_piece)
         return PiecewiseGraph(
-            name, fn, inputs, cpu_piece_factory(self.config.use_inductor, self.inductor_options)
+            name, fn, inputs, cpu_piece_factory(self.config.use_inductor, options)
         )
 
     def replay(

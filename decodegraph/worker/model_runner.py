@@ -176,8 +176,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.closed:
             raise CaptureClosedError("graphs are captured once, at start-up")
         kind = self.platform.graph_capture_kind or "cpu"
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.graphs = GraphManager(
-            kind, self.config.compilation_config, self.platform.default_inductor_options
+            kind,
+            self.config.compilation_config,
+            lambda mode, size: self.platform.inductor_options(mode, size, weight_bytes),
         )
         keys = self.dispatcher.all_keys()
         self.capture_stats = self.graphs.capture_all(
@@ -189,7 +192,6 @@ class ModelRunner:
     def _capture_one(self, mode: RuntimeMode, key: BatchDescriptor) -> None:
         n = key.num_tokens
         b = self.buffers
-        inputs = self._buffer_views(n)
         # Dummy lengths of 1 (every row reads the null block) with workspaces sized
         # for max_model_len at allocation; K/V of the capture run go to the null block.
         reqs = n if key.uniform else 1
@@ -210,14 +212,15 @@ class ModelRunner:
             slot = EAGER_SLOT
             self.attn_backend.set_eager_metadata(md)
             fn = self._hidden_fn
+        inputs = self._graph_input_list(key)
         with set_forward_context(ForwardContext(self.attn_backend, slot)):
             self.graphs.capture(mode, key, fn, inputs)
         b.slot_mapping.np[:n] = -1
         b.seq_lens.np[:reqs] = 0
 
     def _buffer_views(self, num_tokens: int) -> list[torch.Tensor]:
-        """A graph's inputs: views of the persistent buffers (the model reads the first
-        two; the rest are listed so their addresses are checked too)."""
+        """Views of the persistent buffers (the model reads the first two; the rest
+        are listed so that their addresses are checked too)."""
         b = self.buffers
         return [
             b.input_ids.gpu[:num_tokens],
@@ -228,12 +231,21 @@ class ModelRunner:
             b.query_start_loc.gpu,
         ]
 
+    def _graph_input_list(self, key: BatchDescriptor) -> list[torch.Tensor]:
+        """A graph's inputs: buffer views, and for a full graph every tensor its
+        attention reads (see AttentionBackend.graph_tensors)."""
+        inputs = self._buffer_views(key.num_tokens)
+        slot = self._graph_slots.get(key)
+        if slot is not None:
+            inputs += self.attn_backend.graph_tensors(slot)
+        return inputs
+
     def _replay_inputs(self, key: BatchDescriptor) -> list[torch.Tensor]:
         """Fresh views of the current buffers on a graph's first replay (which checks
         their addresses against capture), the same list afterwards."""
         inputs = self._graph_inputs.get(key)
         if inputs is None:
-            inputs = self._graph_inputs[key] = self._buffer_views(key.num_tokens)
+            inputs = self._graph_inputs[key] = self._graph_input_list(key)
         return inputs
 
     def _hidden_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, *_: object):

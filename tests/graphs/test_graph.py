@@ -290,7 +290,7 @@ def test_a_graph_replayed_with_other_input_tensors_raises(stories_dir: Path) -> 
     llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
     graphs = llm.llm_engine.runner.graphs
     (mode, key), graph = next(iter(graphs.graphs.items()))
-    inputs = llm.llm_engine.runner._buffer_views(key.num_tokens)
+    inputs = llm.llm_engine.runner._graph_input_list(key)
     with pytest.raises(InputAddressError):
         graphs.replay(mode, key, [t.clone() for t in inputs])
 

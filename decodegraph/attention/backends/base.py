@@ -115,6 +115,15 @@ class AttentionBackend:
         target.seq_lens_host[:n].copy_(metadata.seq_lens_host[:n])
         target.num_reqs_host.copy_(metadata.num_reqs_host)
 
+    def graph_tensors(self, slot: int) -> list[torch.Tensor]:
+        """Every tensor a graph of this slot reads or writes besides the model inputs
+        (KV caches, the slot's metadata tensors, workspaces). The graph takes them as
+        inputs, never as constants: a compiler may fold or copy constants (Inductor's
+        freezing does), and these change every step."""
+        md = self.slots[slot]
+        caches = [t for pair in self.kv_caches for t in pair]
+        return caches + [md.slot_mapping, md.block_tables, md.seq_lens_host, md.num_reqs_host]
+
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
     ) -> None:

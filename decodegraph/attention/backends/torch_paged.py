@@ -103,6 +103,9 @@ class CPUAttentionBackend(AttentionBackend):
         self._mixed(query, layer_idx, md, full)
         return full
 
+    def graph_tensors(self, slot: int) -> list[torch.Tensor]:
+        return [*super().graph_tensors(slot), self._scores]
+
     def decode_op_args(self, layer_idx: int, slot: int) -> tuple | None:
         md = self.slots[slot]
         if self._decode_op is None or not md.uniform_decode or md.num_actual_tokens == 0:
