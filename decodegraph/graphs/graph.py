@@ -35,8 +35,7 @@ class Graph:
         addresses = [t.data_ptr() for t in inputs]
         if len(addresses) != len(self._addresses):
             raise InputAddressError(
-                f"graph {self.name}: {len(addresses)} inputs given, "
-                f"{len(self._addresses)} captured"
+                f"graph {self.name}: {len(addresses)} inputs given, {len(self._addresses)} captured"
             )
         if addresses != self._addresses:
             bad = [

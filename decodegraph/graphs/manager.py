@@ -46,14 +46,17 @@ class GraphManager:
         self,
         kind: str,
         compilation_config: CompilationConfig,
-        inductor_options: Callable[[RuntimeMode, int], dict[str, object]] | None = None,
+        inductor_options: dict[str, object] | None = None,
     ) -> None:
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"graph kind {kind!r} is not cpu or cuda")
         self.kind = kind
         self.config = compilation_config
-        # The platform's Inductor options for a (mode, size); the user's win over them.
-        self._platform_options = inductor_options or (lambda mode, size: {})
+        # The platform's Inductor options; the user's win over them.
+        self.inductor_options = {
+            **(inductor_options or {}),
+            **compilation_config.inductor_compile_config,
+        }
         self.graphs: dict[GraphKey, Graph] = {}
         self.closed = False
         self.stats = CaptureStats()
@@ -70,10 +73,7 @@ class GraphManager:
                 f"capture of {mode.name} {key} after start-up: graphs are captured only once"
             )
         name = f"{mode.name}{tuple(key)}"
-        options = {
-            **self._platform_options(mode, key.num_tokens),
-            **self.config.inductor_compile_config,
-        }
+        options = self.inductor_options
         if mode is RuntimeMode.FULL:
             graph: Graph = self._full(name, fn, inputs, options)
             count = 1

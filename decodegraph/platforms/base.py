@@ -24,15 +24,12 @@ class Platform:
     graph_capture_kind: ClassVar[str | None] = None
     # Default capture sizes: what the benchmarks showed best on this platform.
     default_capture_sizes: ClassVar[list[int]] = []
+    # Inductor options for CPU graphs; compilation_config.inductor_compile_config wins.
+    default_inductor_options: ClassVar[dict[str, object]] = {}
 
     @property
     def supports_graphs(self) -> bool:
         return self.graph_capture_kind is not None
-
-    def inductor_options(self, mode: object, num_tokens: int, weight_bytes: int) -> dict:
-        """Inductor options for a CPU graph of this mode and size (the user's
-        compilation_config.inductor_compile_config wins over them)."""
-        return {}
 
     def configure_process(self) -> None:
         """Process-wide settings the platform wants before the engine starts."""

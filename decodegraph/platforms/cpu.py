@@ -15,8 +15,6 @@ from decodegraph.platforms.base import Platform
 # Without an explicit budget, the KV cache takes this share of available host memory.
 _CPU_KV_CACHE_SHARE = 0.25
 _CPU_KV_CACHE_MAX_BYTES = 4 << 30
-# A frozen graph holds its own packed copy of the weights.
-_FROZEN_WEIGHTS_MAX_BYTES = 256 << 20
 
 
 class CpuPlatform(Platform):
@@ -27,23 +25,11 @@ class CpuPlatform(Platform):
     # Each CPU graph is compiled by Inductor (~4 s per size here, plus ~10 s of one-time
     # set-up in a process with a cold cache), so few sizes keep a cold start under 30 s.
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8]
-
-    def inductor_options(self, mode: object, num_tokens: int, weight_bytes: int) -> dict:
-        """cpp_wrapper everywhere: its C++ wrapper calls kernels without a Python frame
-        each (~15 % off a stories260K decode step). For full graphs of one token also
-        Inductor's C++ GEMM templates, which need frozen (constant) weights: the
-        batch-1 forward took ~200 µs instead of ~260 (docs/performance.md), at ~7 s
-        more compilation and one packed copy of the weights, so only where that copy
-        is small."""
-        options: dict[str, object] = {"cpp_wrapper": True}
-        if getattr(mode, "name", None) == "FULL" and num_tokens == 1:
-            if weight_bytes <= _FROZEN_WEIGHTS_MAX_BYTES:
-                options |= {
-                    "freezing": True,
-                    "max_autotune": True,
-                    "max_autotune_gemm_backends": "CPP",
-                }
-        return options
+    # The C++ wrapper calls kernels without a Python frame each (~15 % off a stories260K
+    # decode step). Inductor's C++ GEMM templates (freezing + max_autotune) gained
+    # another 8 % at batch 1 but tripled start-up (frozen graphs are not cached), so
+    # they are left to compilation_config.inductor_compile_config (docs/performance.md).
+    default_inductor_options: ClassVar[dict[str, object]] = {"cpp_wrapper": True}
 
     def configure_process(self) -> None:
         """Intra-op threads: DECODEGRAPH_CPU_THREADS, else all cores but one.

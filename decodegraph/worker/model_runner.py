@@ -176,11 +176,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.closed:
             raise CaptureClosedError("graphs are captured once, at start-up")
         kind = self.platform.graph_capture_kind or "cpu"
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.graphs = GraphManager(
-            kind,
-            self.config.compilation_config,
-            lambda mode, size: self.platform.inductor_options(mode, size, weight_bytes),
+            kind, self.config.compilation_config, self.platform.default_inductor_options
         )
         keys = self.dispatcher.all_keys()
         self.capture_stats = self.graphs.capture_all(

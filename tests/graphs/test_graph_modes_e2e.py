@@ -371,6 +371,25 @@ def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path
     assert llm.llm_engine.runner.mode_counts[("decode", "FULL")] == 15
 
 
+def test_inductor_freezing_leaves_kv_caches_and_metadata_live(stories_dir: Path) -> None:
+    """Freezing folds a graph's constants: every tensor the attention reads must be a
+    graph input (KV caches, slot metadata), or the graph attends over stale copies."""
+    prompts = _prompts("stories", 1, (5, 5), seed=7)
+    llm = LLM(
+        str(stories_dir),
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": [1],
+            "inductor_compile_config": {"freezing": True},
+        },
+        max_model_len=64,
+        max_num_seqs=4,
+    )
+    eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4)
+    assert _run(llm, prompts, 24) == _run(eager, prompts, 24)
+    assert llm.llm_engine.runner.mode_counts[("decode", "FULL")] == 23
+
+
 # ---------------------------------------------------------------- CLI
 
 
