@@ -73,12 +73,11 @@ class GraphManager:
                 f"capture of {mode.name} {key} after start-up: graphs are captured only once"
             )
         name = f"{mode.name}{tuple(key)}"
-        options = self.inductor_options
         if mode is RuntimeMode.FULL:
-            graph: Graph = self._full(name, fn, inputs, options)
+            graph: Graph = self._full(name, fn, inputs)
             count = 1
         elif mode is RuntimeMode.PIECEWISE:
-            graph = self._piecewise(name, fn, inputs, options)
+            graph = self._piecewise(name, fn, inputs)
             count = graph.num_pieces
         else:
             raise ValueError(f"no graph to capture for runtime mode {mode.name}")
@@ -86,14 +85,12 @@ class GraphManager:
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
 
-    def _full(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], options: dict) -> Graph:
+    def _full(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> Graph:
         if self.kind == "cuda":
             return CudaGraph(name, fn, inputs, self._pool, self.config.cudagraph_num_of_warmups)
-        return CpuGraph(name, fn, inputs, self.config.use_inductor, options)
+        return CpuGraph(name, fn, inputs, self.config.use_inductor, self.inductor_options)
 
-    def _piecewise(
-        self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], options: dict
-    ) -> PiecewiseGraph:
+    def _piecewise(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> PiecewiseGraph:
         if self.kind == "cuda":
             self._stable.update(t.data_ptr() for t in inputs)
 
@@ -104,7 +101,7 @@ class GraphManager:
 
             return PiecewiseGraph(name, fn, inputs, make_piece)
         return PiecewiseGraph(
-            name, fn, inputs, cpu_piece_factory(self.config.use_inductor, options)
+            name, fn, inputs, cpu_piece_factory(self.config.use_inductor, self.inductor_options)
         )
 
     def replay(
