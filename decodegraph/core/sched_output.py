@@ -30,8 +30,6 @@ class SchedulerOutput:
     # Each scheduled request's whole block table after this step's allocation
     # (a snapshot), parallel to scheduled_requests.
     block_ids: list[list[int]]
-    # Leading blocks shared by every scheduled request (cascade attention); 0 for now.
-    num_common_prefix_blocks: int = 0
     # Requests preempted (blocks freed, sent back to waiting) during this schedule() call.
     preempted_request_ids: set[str] = field(default_factory=set)
     # Requests finished or aborted since the previous schedule() call: the runner

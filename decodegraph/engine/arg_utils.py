@@ -18,6 +18,7 @@ from decodegraph.config import (
     SchedulerConfig,
     parse_dtype,
 )
+from decodegraph.graphs.modes import CUDAGraphMode
 
 
 @dataclass
@@ -125,9 +126,7 @@ class EngineArgs:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
 
-        path = None
-        if self.load_format != "dummy" or not self.model.startswith("preset:"):
-            path = resolve_model_path(self.model, self.revision)
+        path = resolve_model_path(self.model, self.revision)  # None for a preset
         hf_config = load_hf_config(model_config, path)
         model_config.model_path = path
         model_config.hf_config = hf_config
@@ -143,8 +142,6 @@ class EngineArgs:
         if scheduler_config.max_num_batched_tokens is None:
             scheduler_config.max_num_batched_tokens = max(2048, model_config.max_model_len)
         if compilation_config.cudagraph_mode is None:
-            from decodegraph.graphs.modes import CUDAGraphMode
-
             compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
         return EngineConfig(
             model_config=model_config,

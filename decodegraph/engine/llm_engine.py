@@ -82,7 +82,6 @@ class LLMEngine:
         self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
-        self._request_counter = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
