@@ -254,7 +254,8 @@ class Scheduler:
                 request.first_token_time = now
             request.last_token_time = now
             kv.cache_full_blocks(request)
-            if self._check_stop(request, token_id):
+            finished = self._check_stop(request, token_id)
+            if finished:
                 stopped.append(request)
             req_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
@@ -262,7 +263,7 @@ class Scheduler:
                     request_id=request.request_id,
                     new_token_ids=[token_id],
                     new_logprobs=[req_logprobs] if req_logprobs is not None else None,
-                    finish_reason=request.status.finish_reason,
+                    finish_reason=request.status.finish_reason if finished else None,
                     stop_reason=request.stop_reason,
                     first_scheduled_time=request.first_scheduled_time,
                     num_cached_tokens=request.num_cached_tokens,

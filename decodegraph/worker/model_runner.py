@@ -128,7 +128,9 @@ class ModelRunner:
         self.profile_peak_bytes = max(0, self.platform.peak_memory_allocated() - before)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        )
         caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

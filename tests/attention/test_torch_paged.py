@@ -7,6 +7,8 @@ softmax(q k^T * scale) v over the request's dense K/V (causal, with the context 
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -47,23 +49,59 @@ class TorchOpsAttentionBackend(CPUAttentionBackend):
     use_native_kernel = False
 
 
+def require_decode_op() -> None:
+    """Skip where no C++ compiler exists; where one does, a failed build is a failure."""
+    if load_decode_op() is not None:
+        return
+    if shutil.which("c++") or shutil.which("g++"):
+        pytest.fail("a C++ compiler is here but the C decode kernel did not build")
+    pytest.skip("the C decode kernel cannot be built here (no C++ compiler)")
+
+
 @pytest.fixture(params=["native", "torch-ops"])
 def kernel(request: pytest.FixtureRequest) -> str:
     """Decode runs in the C kernel (when it builds here) or in tensor ops: test both."""
-    if request.param == "native" and load_decode_op() is None:
-        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    if request.param == "native":
+        require_decode_op()
     return request.param
 
 
 def make_backend(
-    kernel: str, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 8
+    kernel: str,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_size: int = 8,
+    block_size: int = BLOCK_SIZE,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> CPUAttentionBackend:
     cls = CPUAttentionBackend if kernel == "native" else TorchOpsAttentionBackend
-    backend = cls(num_heads, num_kv_heads, head_size, head_size**-0.5, BLOCK_SIZE, MAX_MODEL_LEN)
-    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size)
+    backend = cls(num_heads, num_kv_heads, head_size, head_size**-0.5, block_size, max_model_len)
+    shape = backend.get_kv_cache_shape(NUM_BLOCKS, block_size, num_kv_heads, head_size)
     backend.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)])
     backend.allocate_workspace(MAX_NUM_REQS, torch.float32, torch.device("cpu"))
     return backend
+
+
+class _TokenSlots:
+    """A layer's cache addressed by slot (block * block_size + offset) -> [kvh, d]."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.tokens = CPUAttentionBackend.token_view(cache)
+        self.block_size = self.tokens.shape[1]
+
+    def _index(self, slots: int | torch.Tensor) -> tuple:
+        return (slots // self.block_size, slots % self.block_size)
+
+    def __getitem__(self, slots: int | torch.Tensor) -> torch.Tensor:
+        return self.tokens[self._index(slots)]
+
+    def __setitem__(self, slots: int | torch.Tensor, value: torch.Tensor) -> None:
+        self.tokens[self._index(slots)] = value
+
+
+def token_slots(backend: CPUAttentionBackend, layer_idx: int) -> tuple[_TokenSlots, _TokenSlots]:
+    k_cache, v_cache = backend.kv_caches[layer_idx]
+    return _TokenSlots(k_cache), _TokenSlots(v_cache)
 
 
 def reference(
@@ -90,8 +128,8 @@ def make_case(
 ) -> Case:
     """`reqs` holds (context already cached, new tokens) per request."""
     gen = torch.Generator().manual_seed(seed)
-    h, kvh, d, bs = backend.num_heads, backend.num_kv_heads, backend.head_size, BLOCK_SIZE
-    k_cache, v_cache = backend.kv_caches[layer_idx]
+    h, kvh, d, bs = backend.num_heads, backend.num_kv_heads, backend.head_size, backend.block_size
+    k_tokens, v_tokens = token_slots(backend, layer_idx)
     # Block 0 is the reserved null block; the others go out shuffled.
     free = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
     num_reqs, num_tokens = len(reqs), sum(n for _, n in reqs)
@@ -115,8 +153,8 @@ def make_case(
         k_dense = torch.randn(length, kvh, d, generator=gen)
         v_dense = torch.randn(length, kvh, d, generator=gen)
         for p in range(context):  # the cached context
-            k_cache.view(-1, kvh, d)[req_slots[p]] = k_dense[p]
-            v_cache.view(-1, kvh, d)[req_slots[p]] = v_dense[p]
+            k_tokens[req_slots[p]] = k_dense[p]
+            v_tokens[req_slots[p]] = v_dense[p]
         key[start : start + n] = k_dense[context:].reshape(n, kvh * d)
         value[start : start + n] = v_dense[context:].reshape(n, kvh * d)
         slot_mapping[start : start + n] = torch.tensor(req_slots[context:])
@@ -174,6 +212,18 @@ def test_chunked_prefill_attends_over_the_context_offset(
     check(case, run(case))
 
 
+@pytest.mark.parametrize("head_size", [8, 64])
+@pytest.mark.parametrize(
+    "lengths", [[16], [1, 15, 17, 32], [33, 48, 100, 128], [127, 64, 5, 31]], ids=str
+)
+def test_decode_at_the_default_block_size(kernel: str, head_size: int, lengths: list[int]) -> None:
+    """Block size 16 (the default, which the C kernel runs one vector wide); lengths on
+    and off block boundaries."""
+    backend = make_backend(kernel, 8, 2, head_size, block_size=16, max_model_len=128)
+    case = make_case(backend, [(n - 1, 1) for n in lengths])
+    check(case, run(case))
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
 @pytest.mark.parametrize("lengths", [[1], [13], [32], [1, 5, 13, 9], [32, 2, 17], [4, 4]])
 def test_decode_batch_with_different_lengths(
@@ -227,10 +277,9 @@ def test_padded_mixed_rows_write_no_kv_and_leave_real_rows_alone(kernel: str) ->
 def _assert_only_slots_written(
     backend: CPUAttentionBackend, before: list[torch.Tensor], slots: list[int]
 ) -> None:
-    kvh, d = backend.num_kv_heads, backend.head_size
-    k_after, v_after = backend.kv_caches[0]
-    for old, new in zip(before[:2], (k_after, v_after), strict=True):
-        changed = (old.view(-1, kvh, d) != new.view(-1, kvh, d)).any(-1).any(-1)
+    for old, new in zip(before[:2], backend.kv_caches[0], strict=True):
+        old_tokens, new_tokens = (backend.token_view(t).flatten(0, 1) for t in (old, new))
+        changed = (old_tokens != new_tokens).any(-1).any(-1)
         assert sorted(changed.nonzero().flatten().tolist()) == sorted(slots)
     for old, new in zip(
         before[2:], [t for pair in backend.kv_caches[1:] for t in pair], strict=True
@@ -242,11 +291,11 @@ def test_kv_of_the_new_tokens_lands_in_their_slots(kernel: str) -> None:
     backend = make_backend(kernel)
     case = make_case(backend, [(2, 3), (0, 1)])
     run(case)
-    k_cache, v_cache = backend.kv_caches[0]
+    k_tokens, v_tokens = token_slots(backend, 0)
     n, kvh, d = case.metadata.num_actual_tokens, backend.num_kv_heads, backend.head_size
     slots = torch.tensor(case.slots)
-    torch.testing.assert_close(k_cache.view(-1, kvh, d)[slots], case.key[:n].view(n, kvh, d))
-    torch.testing.assert_close(v_cache.view(-1, kvh, d)[slots], case.value[:n].view(n, kvh, d))
+    torch.testing.assert_close(k_tokens[slots], case.key[:n].view(n, kvh, d))
+    torch.testing.assert_close(v_tokens[slots], case.value[:n].view(n, kvh, d))
 
 
 def _tensor_addresses(backend: CPUAttentionBackend) -> dict[str, int]:
@@ -309,7 +358,7 @@ import torch
 from decodegraph.attention.backends.base import AttentionMetadata
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 b = CPUAttentionBackend(4, 2, 8, 0.35, 4, 32)
-shape = (40, 4, 2, 8)
+shape = b.get_kv_cache_shape(40, 4, 2, 8)
 b.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape))])
 b.allocate_workspace(64, torch.float32, torch.device("cpu"))
 n = 64  # the metadata claims 64 requests; the tensors hold 2 rows
@@ -330,8 +379,7 @@ except (ValueError, RuntimeError, IndexError, AssertionError) as e:
 
 
 def test_the_c_decode_kernel_refuses_metadata_larger_than_its_tensors() -> None:
-    if load_decode_op() is None:
-        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    require_decode_op()
     # In a child process: an unchecked kernel call may crash the interpreter.
     proc = subprocess.run(
         [sys.executable, "-c", _OVERSIZED_DECODE], capture_output=True, text=True, timeout=120
@@ -342,6 +390,17 @@ def test_the_c_decode_kernel_refuses_metadata_larger_than_its_tensors() -> None:
 
 def test_loading_the_native_operator_keeps_ieee_subnormals() -> None:
     # A library linked with -ffast-math would switch the process to flush-to-zero.
-    if load_decode_op() is None:
-        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    require_decode_op()
     assert sys.float_info.min / 4 > 0.0
+
+
+def test_the_portable_c_path_matches_too() -> None:
+    """Where AVX-512 is present the native decode runs intrinsics; the portable C loops
+    beside them (other CPUs, other block sizes) must agree with the reference as well."""
+    require_decode_op()
+    env = dict(os.environ, DECODEGRAPH_CPU_NO_AVX512="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "native and decode and not portable"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decodegraph.attention.backends.base import EAGER_SLOT, AttentionMetadata
+from decodegraph.attention.backends.base import EAGER_SLOT, AttentionBackend, AttentionMetadata
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.attention.forward_context import ForwardContext, set_forward_context
 from decodegraph.config import CompilationConfig
@@ -120,7 +120,8 @@ def test_manager_rejects_an_unknown_graph_kind() -> None:
 def _attention_setup(n: int) -> CPUAttentionBackend:
     """A real backend whose eager slot holds one prefill of n tokens."""
     backend = CPUAttentionBackend(2, 1, 4, 0.5, 4, 16)
-    backend.bind_kv_caches([(torch.zeros(6, 4, 1, 4), torch.zeros(6, 4, 1, 4)) for _ in range(3)])
+    shape = backend.get_kv_cache_shape(6, 4, 1, 4)
+    backend.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape)) for _ in range(3)])
     backend.allocate_workspace(1, torch.float32, torch.device("cpu"))
     blocks = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
     backend.set_eager_metadata(
@@ -256,10 +257,14 @@ def test_padded_rows_write_no_kv(stories_dir: Path, mode: str) -> None:
     assert sum(ran.values()) == 1 and next(iter(ran))[1] != "NONE", ran
     written = sorted(runner.buffers.slot_mapping.np[:3].tolist())
     assert runner.buffers.slot_mapping.np[3] == -1  # the padded row
-    kvh, d = runner.num_kv_heads, runner.head_size
     after = [t for pair in runner.attn_backend.kv_caches for t in pair]
     for old, new in zip(before, after, strict=True):
-        changed = (old.view(-1, kvh, d) != new.view(-1, kvh, d)).any(-1).any(-1)
+        changed = (
+            (AttentionBackend.token_view(old) != AttentionBackend.token_view(new))
+            .flatten(0, 1)
+            .any(-1)
+            .any(-1)
+        )
         slots = changed.nonzero().flatten().tolist()
         block_size = runner.block_size
         # The reserved null block 0 aside, exactly the three real rows' slots changed.

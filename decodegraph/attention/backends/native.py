@@ -8,7 +8,9 @@ csrc/paged_decode.c). It is compiled once per machine with torch's extension bui
 into a cache keyed by the sources, flags and CPU (~25 s the first time). Where it
 cannot be built, `load_decode_op()` returns None and the backend keeps its tensor-op
 path (also used for float16/bfloat16 and mixed batches).
-Set DECODEGRAPH_NATIVE_KERNELS=0 to disable it.
+Set DECODEGRAPH_NATIVE_KERNELS=0 to disable it. At block size 16 on a CPU with
+AVX-512 it runs an intrinsics path, else portable loops; DECODEGRAPH_CPU_NO_AVX512=1
+forces the portable loops (the tests use it to check both).
 """
 
 from __future__ import annotations

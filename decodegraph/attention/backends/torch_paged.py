@@ -41,33 +41,31 @@ class CPUAttentionBackend(AttentionBackend):
         self._ws_k: torch.Tensor | None = None
         self._ws_v: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None
-        # Per layer: the caches as token slots [blocks * block_size, kvh, d] (for writes)
-        # and as block rows [blocks, block_size * kvh * d] (for gathers).
-        self._slots_view: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._block_view: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per layer: the caches as [blocks, block_size, kvh, d] (token_view), for writes
+        # by (block, offset) and gathers of whole blocks.
+        self._token_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._decode_op = load_decode_op() if self.use_native_kernel else None
         self._scores: torch.Tensor | None = None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().bind_kv_caches(kv_caches)
-        kvh, d = self.num_kv_heads, self.head_size
-        self._slots_view = [(k.view(-1, kvh, d), v.view(-1, kvh, d)) for k, v in kv_caches]
-        self._block_view = [(k.view(k.shape[0], -1), v.view(v.shape[0], -1)) for k, v in kv_caches]
+        self._token_views = [(self.token_view(k), self.token_view(v)) for k, v in kv_caches]
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         """Gather buffers for `max_num_reqs` contexts of max_model_len tokens each."""
         k_cache = self.kv_caches[0][0]
-        row = k_cache[0].numel()  # one block's worth of values
         rows = max_num_reqs * self.max_blocks_per_seq
-        self._ws_k = torch.empty(rows, row, dtype=k_cache.dtype, device=k_cache.device)
+        block = self.token_view(k_cache).shape[1:]  # one block as [block_size, kvh, d]
+        self._ws_k = torch.empty(rows, *block, dtype=k_cache.dtype, device=k_cache.device)
         self._ws_v = torch.empty_like(self._ws_k)
         self._positions = torch.arange(
             self.max_blocks_per_seq * self.block_size, device=k_cache.device
         )
-        group = self.num_heads // self.num_kv_heads
-        self._scores = torch.empty(group * self.max_blocks_per_seq * self.block_size)
+        # The native operator's: one context's scores, then (head_size + 1) * block_size
+        # accumulators.
+        self._scores = torch.empty((self.max_blocks_per_seq + self.head_size + 1) * self.block_size)
 
     def forward(
         self,
@@ -85,13 +83,10 @@ class CPUAttentionBackend(AttentionBackend):
         if direct is not None:
             op, args = direct
             return op(query, key, value, *args)
-        kvh, d = self.num_kv_heads, self.head_size
-        k_slots, v_slots = self._slots_view[layer_idx]
         # Padded rows sit at the tail; writing only the first n rows skips them.
         padded = n < query.shape[0]
         slots = md.slot_mapping[:n] if padded else md.slot_mapping
-        k_slots.index_copy_(0, slots, (key[:n] if padded else key).view(n, kvh, d))
-        v_slots.index_copy_(0, slots, (value[:n] if padded else value).view(n, kvh, d))
+        self._write(layer_idx, slots, key[:n] if padded else key, value[:n] if padded else value)
         if md.uniform_decode:
             out = self._decode(query[:n] if padded else query, layer_idx, md)
             if not padded:
@@ -125,17 +120,27 @@ class CPUAttentionBackend(AttentionBackend):
         )
         return self._decode_op, args
 
+    def _write(
+        self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store the K/V rows of tokens at cache slots `slots` (block * block_size + offset)."""
+        n, kvh, d = slots.numel(), self.num_kv_heads, self.head_size
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        k_tokens, v_tokens = self._token_views[layer_idx]
+        k_tokens.index_put_((blocks, offsets), key.reshape(n, kvh, d))
+        v_tokens.index_put_((blocks, offsets), value.reshape(n, kvh, d))
+
     def _gather(
-        self, cache_blocks: torch.Tensor, workspace: torch.Tensor, ids: torch.Tensor
+        self, cache_tokens: torch.Tensor, workspace: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        """Copy blocks `ids` into the workspace: [len(ids), block_size * kvh * d]."""
-        return torch.index_select(cache_blocks, 0, ids, out=workspace[: ids.numel()])
+        """Copy blocks `ids` into the workspace: [len(ids), block_size, kvh, d]."""
+        return torch.index_select(cache_tokens, 0, ids, out=workspace[: ids.numel()])
 
     def _decode(self, q: torch.Tensor, layer_idx: int, md: AttentionMetadata) -> torch.Tensor:
         """One new token per request, all requests in one batched attention."""
         b, bs, kvh, d = md.num_reqs, self.block_size, self.num_kv_heads, self.head_size
         nb = -(-md.max_seq_len // bs)
-        k_blocks, v_blocks = self._block_view[layer_idx]
+        k_blocks, v_blocks = self._token_views[layer_idx]
         ids = md.block_tables[0, :nb] if b == 1 else md.block_tables[:b, :nb].reshape(-1)
         # [b, kvh, S, d]: the layout both matmuls want.
         k = self._gather(k_blocks, self._ws_k, ids).view(b, nb * bs, kvh, d).transpose(1, 2)
@@ -156,7 +161,7 @@ class CPUAttentionBackend(AttentionBackend):
     ) -> None:
         """Any batch: one attention per request, causal with the context offset."""
         h, kvh, d, bs = self.num_heads, self.num_kv_heads, self.head_size, self.block_size
-        k_blocks, v_blocks = self._block_view[layer_idx]
+        k_blocks, v_blocks = self._token_views[layer_idx]
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         for i in range(md.num_reqs):
             start, end, length = qsl[i], qsl[i + 1], lens[i]
@@ -201,12 +206,9 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
             return super().forward(query, key, value, layer_idx, slot)
         # Captured decode: nothing here may depend on host values except shapes.
         t, kvh, d, bs = query.shape[0], self.num_kv_heads, self.head_size, self.block_size
-        k_slots, v_slots = self._slots_view[layer_idx]
-        k_blocks, v_blocks = self._block_view[layer_idx]
+        k_blocks, v_blocks = self._token_views[layer_idx]
         # Padded rows (slot -1) write into the reserved null block 0, never read.
-        slots = md.slot_mapping[:t].clamp(min=0)
-        k_slots.index_copy_(0, slots, key.view(t, kvh, d))
-        v_slots.index_copy_(0, slots, value.view(t, kvh, d))
+        self._write(layer_idx, md.slot_mapping[:t].clamp(min=0), key, value)
         nb = self.max_blocks_per_seq
         ids = md.block_tables[:t, :nb].reshape(-1)
         k = self._gather(k_blocks, self._ws_k, ids).view(t, nb * bs, kvh, d).transpose(1, 2)

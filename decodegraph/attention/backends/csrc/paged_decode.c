@@ -4,37 +4,196 @@
  * Writes each request's new K/V into its cache slot (slot -1: a padded row, skipped),
  * then attends over the request's context through its block table. One call does a
  * whole layer (wrapped as a torch operator in paged_decode_op.cpp), so a decode step
- * pays one operator call per layer instead of a dozen tensor ops. `scores` is a workspace of num_heads / num_kv_heads * max_model_len
- * floats, allocated once by the caller (an op never allocates inside a graph).
+ * pays one operator call per layer instead of a dozen tensor ops.
  *
- * Caches: [num_blocks, block_size, num_kv_heads, head_size], contiguous.
+ * Caches: [num_blocks, num_kv_heads, head_size, block_size], contiguous: within a block,
+ *         one head's values of one dimension lie side by side for block_size positions,
+ *         so both products run block_size wide (one AVX-512 vector at block size 16)
+ *         and the softmax weights scale V without a horizontal sum per position.
  * q/k/v:  rows of `q_stride` / `k_stride` / `v_stride` floats; head h of row r at
  *         r * stride + h * d.
  * out:    [num_rows, num_heads * head_size]; rows past num_reqs are zeroed.
+ * work:   `max_len` scores, then head_size * block_size accumulators; allocated once by
+ *         the caller (an op never allocates inside a graph).
  * Returns 0, or non-zero (and touches nothing) when a slot, block id or length is
  * outside the caches, the block table or the workspace.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+/* One query head over its KV head's context in two passes: scores and their maximum,
+ * then exp-weighted sums of V (no running rescale). Callers pass `bs` as a constant
+ * where they can, which makes every inner loop exactly one vector wide. Lanes past the
+ * context in the last block are computed in the first pass but never used. */
+static inline __attribute__((always_inline)) void attend_head(
+    const float *qh, const float *k_cache, const float *v_cache, const int32_t *bt,
+    int64_t len, int64_t tile_stride, int64_t tile_off, int64_t d, const int64_t bs,
+    float scale, float *__restrict__ sc, float *__restrict__ acc, float *__restrict__ o)
+{
+    float m = -FLT_MAX;
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const float *kt = k_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+        float *s = sc + p0;
+        for (int64_t j = 0; j < bs; j++)
+            s[j] = 0.f;
+        for (int64_t i = 0; i < d; i++) {
+            const float qi = qh[i] * scale;
+            for (int64_t j = 0; j < bs; j++)
+                s[j] += qi * kt[i * bs + j];
+        }
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        for (int64_t j = 0; j < n; j++)
+            m = s[j] > m ? s[j] : m;
+    }
+    memset(acc, 0, (size_t)(d + 1) * bs * sizeof(float));
+    float *l = acc + d * bs; /* per-lane sums of the weights */
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const float *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+        float *s = sc + p0;
+        if (len - p0 >= bs) {
+            for (int64_t j = 0; j < bs; j++) {
+                s[j] = expf(s[j] - m);
+                l[j] += s[j];
+            }
+            for (int64_t i = 0; i < d; i++)
+                for (int64_t j = 0; j < bs; j++)
+                    acc[i * bs + j] += s[j] * vt[i * bs + j];
+        } else { /* the last, partial block: only its first n lanes hold context */
+            const int64_t n = len - p0;
+            for (int64_t j = 0; j < n; j++) {
+                s[j] = expf(s[j] - m);
+                l[j] += s[j];
+            }
+            for (int64_t i = 0; i < d; i++)
+                for (int64_t j = 0; j < n; j++)
+                    acc[i * bs + j] += s[j] * vt[i * bs + j];
+        }
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < bs; j++)
+        total += l[j];
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < d; i++) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < bs; j++)
+            sum += acc[i * bs + j];
+        o[i] = sum * inv;
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f"), always_inline)) static inline
+
+/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree
+ * 6 (relative error ~1e-7); x below -87 gives ~0 rather than denormals. */
+AVX512 __m512 exp16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* attend_head for block size 16 in AVX-512: a block row is one register, the running
+ * maximum and weight sums stay vertical until the end, and at a constant `d` up to 16
+ * the accumulators live in registers. Lanes past the context are masked: loaded as 0,
+ * scored as -FLT_MAX, weighted 0. */
+AVX512 void attend_head16(const float *qh, const float *k_cache, const float *v_cache,
+                          const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
+                          const int64_t d, float scale, float *__restrict__ sc, float *o)
+{
+    enum { MAX_D = 512 };
+    __m512 acc[MAX_D];
+    __m512 mv = _mm512_set1_ps(-FLT_MAX), lv = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        const float *kt = k_cache + (int64_t)bt[p0 / 16] * tile_stride + tile_off;
+        const __mmask16 live = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i++)
+            s = _mm512_fmadd_ps(_mm512_set1_ps(qh[i]), _mm512_maskz_loadu_ps(live, kt + i * 16), s);
+        s = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), live, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(sc + p0, s);
+        mv = _mm512_max_ps(mv, s);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    for (int64_t i = 0; i < d; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < len; p0 += 16) {
+        const float *vt = v_cache + (int64_t)bt[p0 / 16] * tile_stride + tile_off;
+        const __mmask16 live = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
+        const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + p0), m)));
+        lv = _mm512_add_ps(lv, w);
+        for (int64_t i = 0; i < d; i++)
+            acc[i] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(live, vt + i * 16), acc[i]);
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(lv);
+    for (int64_t i = 0; i < d; i++)
+        o[i] = _mm512_reduce_add_ps(acc[i]) * inv;
+}
+
+__attribute__((target("avx512f"))) static void attend_request16(
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *bt, int64_t len,
+    int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, float scale, float *sc,
+    float *o_row)
+{
+    const int64_t tile = d * 16;
+    for (int64_t h = 0; h < num_heads; h++) {
+        const int64_t off = (h / g) * tile;
+        if (d == 8)
+            attend_head16(q + h * d, k_cache, v_cache, bt, len, tile_stride, off, 8, scale, sc,
+                          o_row + h * d);
+        else if (d == 16)
+            attend_head16(q + h * d, k_cache, v_cache, bt, len, tile_stride, off, 16, scale, sc,
+                          o_row + h * d);
+        else
+            attend_head16(q + h * d, k_cache, v_cache, bt, len, tile_stride, off, d, scale, sc,
+                          o_row + h * d);
+    }
+}
+
+static int use_avx512(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        const char *off = getenv("DECODEGRAPH_CPU_NO_AVX512");
+        cached = __builtin_cpu_supports("avx512f") && !(off && off[0] == '1');
+    }
+    return cached;
+}
+#else
+static int use_avx512(void) { return 0; }
+#endif
+
 int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
-                      float *k_cache, float *v_cache, const int64_t *slot_mapping,
-                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                      int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
-                      int64_t v_stride,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                      int64_t block_size, float scale, float *scores, int64_t num_blocks,
-                      int64_t bt_cols, int64_t max_len)
+                     float *k_cache, float *v_cache, const int64_t *slot_mapping,
+                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                     int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
+                     int64_t v_stride, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_size, int64_t block_size, float scale, float *work,
+                     int64_t num_blocks, int64_t bt_cols, int64_t max_len)
 {
     const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
-    const int64_t tok = kvh * d; /* floats per cached token */
+    const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
     /* Refuse metadata that would read or write outside the caches (nothing written yet). */
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t s = slot_mapping[r], len = seq_lens[r];
-        if (s >= num_blocks * block_size || len > max_len || len > bt_cols * block_size)
+        const int64_t padded_len = (len + bs - 1) / bs * bs;
+        if (s >= num_blocks * bs || padded_len > max_len || len > bt_cols * bs)
             return 1;
-        for (int64_t b = 0; b * block_size < len; b++) {
+        for (int64_t b = 0; b * bs < len; b++) {
             const int32_t id = block_tables[r * bt_stride + b];
             if (id < 0 || id >= num_blocks)
                 return 2;
@@ -42,64 +201,42 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
     }
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t s = slot_mapping[r];
-        if (s >= 0) {
-            memcpy(k_cache + s * tok, k + r * k_stride, tok * sizeof(float));
-            memcpy(v_cache + s * tok, v + r * v_stride, tok * sizeof(float));
+        if (s < 0)
+            continue;
+        float *kt = k_cache + (s / bs) * tile_stride + s % bs;
+        float *vt = v_cache + (s / bs) * tile_stride + s % bs;
+        for (int64_t c = 0; c < kvh * d; c++) { /* c = head * d + dim: tile c / d, row c % d */
+            kt[c * bs] = k[r * k_stride + c];
+            vt[c * bs] = v[r * v_stride + c];
         }
     }
+    float *sc = work, *acc = work + max_len;
+    const int avx512 = use_avx512();
+    (void)avx512;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int32_t *bt = block_tables + r * bt_stride;
         const int64_t len = seq_lens[r];
         float *o_row = out + r * num_heads * d;
-        memset(o_row, 0, num_heads * d * sizeof(float));
-        if (len <= 0)
+        if (len <= 0) {
+            memset(o_row, 0, num_heads * d * sizeof(float));
             continue;
-        for (int64_t kh = 0; kh < kvh; kh++) {
-            const float *qg = q + r * q_stride + kh * g * d;
-            /* scores[gi * len + p] = q(head kh*g+gi) . k(p) * scale */
-            for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-                const float *kb = k_cache + (int64_t)bt[p0 / block_size] * block_size * tok + kh * d;
-                const int64_t n = len - p0 < block_size ? len - p0 : block_size;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *kp = kb + j * tok;
-                    for (int64_t gi = 0; gi < g; gi++) {
-                        const float *qh = qg + gi * d;
-                        float sc = 0.f;
-                        for (int64_t i = 0; i < d; i++)
-                            sc += qh[i] * kp[i];
-                        scores[gi * len + p0 + j] = sc * scale;
-                    }
-                }
-            }
-            /* softmax per query head (max-subtracted; no infinities involved) */
-            for (int64_t gi = 0; gi < g; gi++) {
-                float *sg = scores + gi * len;
-                float m = sg[0];
-                for (int64_t p = 1; p < len; p++)
-                    m = sg[p] > m ? sg[p] : m;
-                float l = 0.f;
-                for (int64_t p = 0; p < len; p++) {
-                    sg[p] = expf(sg[p] - m);
-                    l += sg[p];
-                }
-                const float inv = 1.f / l;
-                for (int64_t p = 0; p < len; p++)
-                    sg[p] *= inv;
-            }
-            float *o = o_row + kh * g * d;
-            for (int64_t p0 = 0; p0 < len; p0 += block_size) {
-                const float *vb = v_cache + (int64_t)bt[p0 / block_size] * block_size * tok + kh * d;
-                const int64_t n = len - p0 < block_size ? len - p0 : block_size;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *vp = vb + j * tok;
-                    for (int64_t gi = 0; gi < g; gi++) {
-                        const float w = scores[gi * len + p0 + j];
-                        float *og = o + gi * d;
-                        for (int64_t i = 0; i < d; i++)
-                            og[i] += w * vp[i];
-                    }
-                }
-            }
+        }
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (bs == 16 && d <= 512 && avx512) {
+            attend_request16(q + r * q_stride, k_cache, v_cache, bt, len, tile_stride, num_heads,
+                             g, d, scale, sc, o_row);
+            continue;
+        }
+#endif
+        for (int64_t h = 0; h < num_heads; h++) {
+            const float *qh = q + r * q_stride + h * d;
+            const int64_t off = (h / g) * tile;
+            if (bs == 16)
+                attend_head(qh, k_cache, v_cache, bt, len, tile_stride, off, d, 16, scale, sc,
+                            acc, o_row + h * d);
+            else
+                attend_head(qh, k_cache, v_cache, bt, len, tile_stride, off, d, bs, scale, sc,
+                            acc, o_row + h * d);
         }
     }
     for (int64_t r = num_reqs; r < num_rows; r++)

@@ -30,25 +30,34 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
                 "paged_decode: slot_mapping int64, block_tables/seq_lens/num_reqs int32");
     TORCH_CHECK(query.stride(-1) == 1 && key.stride(-1) == 1 && value.stride(-1) == 1,
                 "paged_decode: q/k/v rows must be contiguous");
-    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4,
-                "paged_decode: caches must be contiguous [blocks, block_size, kv_heads, head]");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                    v_cache.sizes() == k_cache.sizes(),
+                "paged_decode: caches must be contiguous [blocks, kv_heads, head_size, block_size]");
     const int64_t num_reqs = num_reqs_host.data_ptr<int32_t>()[0];
     const int64_t rows = query.size(0);
     TORCH_CHECK(num_reqs >= 0 && num_reqs <= rows && num_reqs <= slot_mapping.size(0) &&
                     num_reqs <= block_tables.size(0) && num_reqs <= seq_lens.size(0),
                 "paged_decode: ", num_reqs, " requests exceed the batch's tensors");
-    const int64_t num_kv_heads = k_cache.size(2), head_size = k_cache.size(3);
+    const int64_t num_kv_heads = k_cache.size(1), head_size = k_cache.size(2);
+    const int64_t block_size = k_cache.size(3);
     const int64_t num_heads = query.size(1) / head_size;
-    const int64_t group = num_heads / num_kv_heads;
+    TORCH_CHECK(key.size(-1) == num_kv_heads * head_size && value.size(-1) == key.size(-1) &&
+                    key.size(0) >= num_reqs && value.size(0) >= num_reqs,
+                "paged_decode: key/value rows must hold kv_heads * head_size values");
+    // The workspace holds the scores of one context, then (head_size + 1) * block_size
+    // accumulators.
+    const int64_t max_len = workspace.numel() - (head_size + 1) * block_size;
+    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() && max_len > 0,
+                "paged_decode: workspace too small");
     auto out = at::empty({rows, query.size(1)}, query.options());
     const int status = paged_decode_f32(
         query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
         out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
         slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
         block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0),
-        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, k_cache.size(1),
+        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, block_size,
         static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
-        block_tables.size(1), workspace.numel() / group);
+        block_tables.size(1), max_len);
     TORCH_CHECK(status == 0, "paged_decode: a slot, block id or sequence length is outside "
                 "the KV cache, the block table or the workspace");
     return out;
