@@ -1,9 +1,11 @@
 """One short check to run whenever a CUDA GPU is lent (under 5 minutes on an H200).
 
-1. Correctness: for every graph mode, greedy ids equal mode NONE's (float32 tiny model,
-   batch sizes that need padding, mixed prompt lengths).
+1. Correctness: for every attention backend (TRITON_ATTN, CUDA_TORCH) and graph mode,
+   greedy ids equal mode NONE's (float32 tiny model, batch sizes that need padding,
+   mixed prompt lengths).
 2. Speed: decode step latency per mode at batch 1, 8 and 32 for a Llama-3.2-1B-shaped
-   bf16 dummy model, beside the memory-bandwidth floor (weight bytes / HBM bandwidth).
+   bf16 dummy model (TRITON_ATTN; FULL_DECODE_ONLY also on CUDA_TORCH), beside the
+   memory-bandwidth floor (weight bytes / HBM bandwidth).
 
     python benchmarks/gpu_check.py [--bandwidth-gbs 4800]
 
@@ -13,7 +15,9 @@ Prints a table and saves JSON to benchmarks/results/gpu_check.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,9 +27,20 @@ from pathlib import Path
 import torch
 
 from decodegraph import LLM, SamplingParams
+from decodegraph.attention.selector import ENV_VAR
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+BACKENDS = ["TRITON_ATTN", "CUDA_TORCH"]
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _backend(name: str):  # noqa: ANN202
+    os.environ[ENV_VAR] = name
+    try:
+        yield
+    finally:
+        del os.environ[ENV_VAR]
 
 
 def _llm(model: str, mode: str, **kw: object) -> LLM:
@@ -41,45 +56,54 @@ def check_correctness() -> dict[str, object]:
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(dtype="float32", max_model_len=256, max_num_seqs=16, gpu_memory_utilization=0.3)
     results: dict[str, object] = {}
-    reference = None
-    for mode in MODES:
+    reference: dict[str, list[list[int]]] = {}  # per backend: its NONE ids
+    for backend, mode in [(b, m) for b in BACKENDS for m in MODES]:
+        row = f"{backend}:{mode}"
         try:
-            llm = _llm("preset:llama-tiny", mode, **kw)
+            with _backend(backend):
+                llm = _llm("preset:llama-tiny", mode, **kw)
             ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             single = llm.generate(prompts[3], params, use_tqdm=False)[0].outputs[0].token_ids
             runner = llm.llm_engine.runner
-            if reference is None:
-                reference = ids
-            results[mode] = {
+            reference.setdefault(backend, ids)
+            results[row] = {
+                "backend": runner.attn_backend.name,
                 "resolved": runner.mode.name,
                 "graphs": runner.capture_stats.num_graphs,
-                "equal_to_none": ids == reference,
+                "equal_to_none": ids == reference[backend],
+                "equal_to_triton_none": ids == reference.get("TRITON_ATTN"),
                 "batch_invariant": single == ids[3],
                 "steps_by_mode": {f"{k[0]}:{k[1]}": v for k, v in runner.mode_counts.items()},
             }
             del llm
         except Exception as e:  # noqa: BLE001 - report every mode, keep going
-            results[mode] = {"error": f"{type(e).__name__}: {e}"}
+            results[row] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         torch.cuda.empty_cache()
-        print("correctness", mode, results[mode], flush=True)
+        print("correctness", row, results[row], flush=True)
     return results
 
 
 def measure_latency(bandwidth_gbs: float, batches: list[int], steps: int) -> dict[str, object]:
     results: dict[str, object] = {}
-    for mode in MODES:
+    rows = [("TRITON_ATTN", m) for m in MODES] + [("CUDA_TORCH", "FULL_DECODE_ONLY")]
+    for backend, mode in rows:
+        row_name = f"{backend}:{mode}"
         try:
             start = time.perf_counter()
-            llm = LLM(
-                "preset:llama-3.2-1b",
-                load_format="dummy",
-                dtype="bfloat16",
-                max_model_len=1024,
-                max_num_seqs=max(batches),
-                gpu_memory_utilization=0.5,
-                compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": batches},
-            )
+            with _backend(backend):
+                llm = LLM(
+                    "preset:llama-3.2-1b",
+                    load_format="dummy",
+                    dtype="bfloat16",
+                    max_model_len=1024,
+                    max_num_seqs=max(batches),
+                    gpu_memory_utilization=0.5,
+                    compilation_config={
+                        "cudagraph_mode": mode,
+                        "cudagraph_capture_sizes": batches,
+                    },
+                )
             startup = time.perf_counter() - start
             engine = llm.llm_engine
             weight_bytes = sum(
@@ -106,13 +130,13 @@ def measure_latency(bandwidth_gbs: float, batches: list[int], steps: int) -> dic
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t)
                 row[f"b{b}_ms"] = round(statistics.median(times[3:]) * 1e3, 3)
-            results[mode] = row
+            results[row_name] = row
             del llm, engine
         except Exception as e:  # noqa: BLE001
-            results[mode] = {"error": f"{type(e).__name__}: {e}"}
+            results[row_name] = {"error": f"{type(e).__name__}: {e}"}
             traceback.print_exc()
         torch.cuda.empty_cache()
-        print("latency", mode, results[mode], flush=True)
+        print("latency", row_name, results[row_name], flush=True)
     return results
 
 
@@ -135,14 +159,14 @@ def main() -> int:
     }
     print(f"\n{report['device']}, torch {report['torch']}")
     print(
-        f"{'mode':<20}{'resolved':<20}{'equal':>6}"
+        f"{'backend:mode':<32}{'resolved':<20}{'equal':>6}"
         + "".join(f"{f'b{b} ms':>9}" for b in args.batches)
         + f"{'floor ms':>10}{'capture s':>10}{'graphs':>7}"
     )
-    for mode in MODES:
-        c, lat = report["correctness"].get(mode, {}), report["latency"].get(mode, {})
+    for row in dict.fromkeys([*report["correctness"], *report["latency"]]):
+        c, lat = report["correctness"].get(row, {}), report["latency"].get(row, {})
         print(
-            f"{mode:<20}{str(lat.get('resolved', c.get('resolved', '-'))):<20}"
+            f"{row:<32}{str(lat.get('resolved', c.get('resolved', '-'))):<20}"
             f"{str(c.get('equal_to_none', '-')):>6}"
             + "".join(f"{str(lat.get(f'b{b}_ms', '-')):>9}" for b in args.batches)
             + f"{str(lat.get('floor_ms', '-')):>10}{str(lat.get('capture_s', '-')):>10}"

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from decodegraph.attention.backends.base import AttentionBackend
-from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
+from decodegraph.attention.selector import get_attn_backend
 from decodegraph.platforms.base import Platform
 
 # Without an explicit budget, the KV cache takes this share of available host memory.
@@ -44,7 +44,7 @@ class CpuPlatform(Platform):
         torch.set_num_threads(n)
 
     def attention_backend_cls(self) -> type[AttentionBackend]:
-        return CPUAttentionBackend
+        return get_attn_backend("CPU_TORCH")
 
     def memory_allocated(self) -> int:
         """Resident memory of this process (what graph capture adds shows up here)."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import ClassVar
 
 import torch
 
 from decodegraph.attention.backends.base import AttentionBackend
-from decodegraph.attention.backends.torch_paged import CUDATorchAttentionBackend
+from decodegraph.attention.selector import get_attn_backend
 from decodegraph.platforms.base import Platform
 
 
@@ -22,7 +23,10 @@ class CudaPlatform(Platform):
         torch.cuda.synchronize()
 
     def attention_backend_cls(self) -> type[AttentionBackend]:
-        return CUDATorchAttentionBackend
+        """TRITON_ATTN (one kernel per layer, full graphs for any batch) where triton is
+        installed; else the torch-op fallback, graph-safe for uniform decode only."""
+        triton = importlib.util.find_spec("triton") is not None
+        return get_attn_backend("TRITON_ATTN" if triton else "CUDA_TORCH")
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
         free, total = torch.cuda.mem_get_info()

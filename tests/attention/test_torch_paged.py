@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decodegraph.attention.backends.base import EAGER_SLOT, AttentionMetadata
+from decodegraph.attention.backends.base import EAGER_SLOT, AttentionBackend, AttentionMetadata
 from decodegraph.attention.backends.native import load_decode_op
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
@@ -34,7 +34,7 @@ NUM_LAYERS = 2
 
 @dataclass
 class Case:
-    backend: CPUAttentionBackend
+    backend: AttentionBackend
     metadata: AttentionMetadata
     query: torch.Tensor  # [padded tokens, h * d]
     key: torch.Tensor  # [padded tokens, kvh * d]
@@ -73,8 +73,11 @@ def make_backend(
     head_size: int = 8,
     block_size: int = BLOCK_SIZE,
     max_model_len: int = MAX_MODEL_LEN,
-) -> CPUAttentionBackend:
-    cls = CPUAttentionBackend if kernel == "native" else TorchOpsAttentionBackend
+) -> AttentionBackend:
+    if kernel == "triton":  # only under TRITON_INTERPRET=1 here (test_triton_attn.py)
+        from decodegraph.attention.backends.triton_attn import TritonAttentionBackend as cls
+    else:
+        cls = CPUAttentionBackend if kernel == "native" else TorchOpsAttentionBackend
     backend = cls(num_heads, num_kv_heads, head_size, head_size**-0.5, block_size, max_model_len)
     shape = backend.get_kv_cache_shape(NUM_BLOCKS, block_size, num_kv_heads, head_size)
     backend.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)])
@@ -99,7 +102,7 @@ class _TokenSlots:
         self.tokens[self._index(slots)] = value
 
 
-def token_slots(backend: CPUAttentionBackend, layer_idx: int) -> tuple[_TokenSlots, _TokenSlots]:
+def token_slots(backend: AttentionBackend, layer_idx: int) -> tuple[_TokenSlots, _TokenSlots]:
     k_cache, v_cache = backend.kv_caches[layer_idx]
     return _TokenSlots(k_cache), _TokenSlots(v_cache)
 
@@ -119,7 +122,7 @@ def reference(
 
 
 def make_case(
-    backend: CPUAttentionBackend,
+    backend: AttentionBackend,
     reqs: list[tuple[int, int]],
     layer_idx: int = 0,
     pad_tokens: int = 0,
@@ -275,7 +278,7 @@ def test_padded_mixed_rows_write_no_kv_and_leave_real_rows_alone(kernel: str) ->
 
 
 def _assert_only_slots_written(
-    backend: CPUAttentionBackend, before: list[torch.Tensor], slots: list[int]
+    backend: AttentionBackend, before: list[torch.Tensor], slots: list[int]
 ) -> None:
     for old, new in zip(before[:2], backend.kv_caches[0], strict=True):
         old_tokens, new_tokens = (backend.token_view(t).flatten(0, 1) for t in (old, new))
@@ -298,7 +301,7 @@ def test_kv_of_the_new_tokens_lands_in_their_slots(kernel: str) -> None:
     torch.testing.assert_close(v_tokens[slots], case.value[:n].view(n, kvh, d))
 
 
-def _tensor_addresses(backend: CPUAttentionBackend) -> dict[str, int]:
+def _tensor_addresses(backend: AttentionBackend) -> dict[str, int]:
     return {k: v.data_ptr() for k, v in vars(backend).items() if isinstance(v, torch.Tensor)}
 
 

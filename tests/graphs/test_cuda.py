@@ -3,6 +3,8 @@ padded rows, address checks and capture closing. Skipped where no NVIDIA GPU is 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from decodegraph.attention.backends.base import AttentionBackend
+from decodegraph.attention.selector import ENV_VAR
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.dispatcher import BatchDescriptor
 from decodegraph.graphs.graph import CudaGraph, InputAddressError
@@ -25,16 +28,17 @@ pytestmark = pytest.mark.skipif(
 
 SIZES = [1, 2, 4, 8]
 NUM_LAYERS = 2  # the random llama-gqa checkpoint
-# The CUDA torch backend supports UNIFORM_SINGLE_TOKEN_DECODE: FULL becomes FULL_AND_PIECEWISE.
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+BACKENDS = ["CUDA_TORCH"] + (["TRITON_ATTN"] if importlib.util.find_spec("triton") else [])
+# TRITON_ATTN supports every batch in a full graph (ALWAYS); the torch fallback only
+# uniform single-token decode, so its FULL becomes FULL_AND_PIECEWISE.
 RESOLVED = {
-    "NONE": "NONE",
-    "PIECEWISE": "PIECEWISE",
-    "FULL": "FULL_AND_PIECEWISE",
-    "FULL_DECODE_ONLY": "FULL_DECODE_ONLY",
-    "FULL_AND_PIECEWISE": "FULL_AND_PIECEWISE",
+    "TRITON_ATTN": {m: m for m in MODES},
+    "CUDA_TORCH": {m: "FULL_AND_PIECEWISE" if m == "FULL" else m for m in MODES},
 }
 GRAPHS_PER_SIZE = {
     "NONE": 0,
+    "FULL": 1,
     "PIECEWISE": NUM_LAYERS + 1,
     "FULL_DECODE_ONLY": 1,
     "FULL_AND_PIECEWISE": 1 + NUM_LAYERS + 1,
@@ -42,29 +46,45 @@ GRAPHS_PER_SIZE = {
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], LLM]]:
+def engine(
+    tmp_path_factory: pytest.TempPathFactory, backend: str
+) -> Iterator[Callable[[str], LLM]]:
     path = make_checkpoint(tmp_path_factory.mktemp("cuda_ckpt"), "llama-gqa")
     cache: dict[str, LLM] = {}
 
     def get(mode: str) -> LLM:
         if mode not in cache:
-            cache[mode] = LLM(
-                str(path),
-                device="cuda",
-                dtype="float32",
-                skip_tokenizer_init=True,
-                compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES},
-                max_model_len=128,
-                max_num_seqs=16,
-                # An exact KV size: several engines share the device in this module.
-                kv_cache_memory_bytes=16 << 20,
-            )
+            os.environ[ENV_VAR] = backend
+            try:
+                cache[mode] = _new_llm(path, mode)
+            finally:
+                del os.environ[ENV_VAR]
+            assert cache[mode].llm_engine.runner.attn_backend.name == backend
         return cache[mode]
 
     yield get
     cache.clear()
     torch.cuda.empty_cache()
+
+
+def _new_llm(path: Path, mode: str) -> LLM:
+    return LLM(
+        str(path),
+        device="cuda",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES},
+        max_model_len=128,
+        max_num_seqs=16,
+        # An exact KV size: several engines share the device in this module.
+        kv_cache_memory_bytes=16 << 20,
+    )
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
@@ -77,7 +97,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("bs", [1, 3, 7, 12])
-@pytest.mark.parametrize("mode", list(RESOLVED)[1:])
+@pytest.mark.parametrize("mode", MODES[1:])
 def test_replay_equals_eager(engine: Callable[[str], LLM], mode: str, bs: int) -> None:
     prompts = _prompts(bs, seed=bs)
     llm = engine(mode)
@@ -88,10 +108,12 @@ def test_replay_equals_eager(engine: Callable[[str], LLM], mode: str, bs: int) -
         assert after > before, "no graph replayed"
 
 
-@pytest.mark.parametrize("mode", list(RESOLVED))
-def test_resolved_mode_and_graph_count(engine: Callable[[str], LLM], mode: str) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_resolved_mode_and_graph_count(
+    engine: Callable[[str], LLM], backend: str, mode: str
+) -> None:
     runner = engine(mode).llm_engine.runner
-    resolved = RESOLVED[mode]
+    resolved = RESOLVED[backend][mode]
     assert runner.mode.name == resolved
     assert runner.capture_stats.num_graphs == GRAPHS_PER_SIZE[resolved] * len(SIZES)
     assert runner.graphs.kind == "cuda"

@@ -3,6 +3,7 @@ level drive mode resolution on a real engine (stories260K)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import ClassVar
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import decodegraph.engine.llm_engine as llm_engine_module
+from decodegraph.attention import selector
 from decodegraph.attention.backends.base import AttentionBackend
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
@@ -47,7 +49,16 @@ def test_get_platform_cuda_needs_no_device_to_describe_itself() -> None:
     assert platform.dist_backend == "nccl"
     assert platform.graph_capture_kind == "cuda"
     assert platform.supports_graphs
-    assert platform.attention_backend_cls() is CUDATorchAttentionBackend
+    expected = "TRITON_ATTN" if importlib.util.find_spec("triton") else "CUDA_TORCH"
+    assert platform.attention_backend_cls().name == expected
+
+
+def test_the_attention_backend_can_be_chosen_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(selector.ENV_VAR, "cuda_torch")
+    assert get_platform("cpu").attention_backend_cls() is CUDATorchAttentionBackend
+    monkeypatch.setenv(selector.ENV_VAR, "FLASH_ATTN")
+    with pytest.raises(ValueError, match="DECODEGRAPH_ATTENTION_BACKEND.*CPU_TORCH, CUDA_TORCH"):
+        get_platform("cuda").attention_backend_cls()
 
 
 def test_get_platform_rejects_an_unknown_device_listing_the_known_ones() -> None:

@@ -141,6 +141,12 @@ class AttentionBackend:
         caches = [t for pair in self.kv_caches for t in pair]
         return caches + [md.slot_mapping, md.block_tables, md.seq_lens_host, md.num_reqs_host]
 
+    def decode_op_args(self, layer_idx: int, slot: int) -> tuple | None:
+        """(operator, its arguments after q, k, v) when this step's attention is one
+        native operator that the layer may call directly instead of unified_attention
+        (a cheaper dispatch at batch 1); None otherwise."""
+        return None
+
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
     ) -> None:

@@ -1,0 +1,149 @@
+"""The Triton backend's kernels (CUDA's attention), checked on CPU by Triton's interpreter.
+
+`triton.jit` decides at decoration time whether a kernel runs compiled or interpreted,
+so the cases run in a child pytest whose environment sets TRITON_INTERPRET=1 before
+anything imports the kernels: in that child this module defines the cases; in the
+normal run it defines the one test that starts the child.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from decodegraph.graphs.modes import AttentionCGSupport  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+if not INTERPRETED:
+
+    def test_triton_kernels_in_the_interpreter() -> None:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+        assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+else:
+    from decodegraph.attention.backends.triton_attn import TritonAttentionBackend
+    from tests.attention.test_torch_paged import (
+        GQA,
+        _assert_only_slots_written,
+        check,
+        make_backend,
+        make_case,
+        run,
+        token_slots,
+    )
+
+    def test_declares_full_graphs_for_every_batch() -> None:
+        assert TritonAttentionBackend.cudagraph_support is AttentionCGSupport.ALWAYS
+
+    @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=str)
+    def test_prefill_is_causal(num_heads: int, num_kv_heads: int) -> None:
+        case = make_case(make_backend("triton", num_heads, num_kv_heads), [(0, 7)])
+        check(case, run(case))
+
+    @pytest.mark.parametrize("context, chunk", [(5, 6), (4, 4), (12, 20)])
+    def test_chunked_prefill_attends_over_the_context_offset(context: int, chunk: int) -> None:
+        case = make_case(make_backend("triton", 4, 2), [(context, chunk)])
+        check(case, run(case))
+
+    @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=str)
+    @pytest.mark.parametrize("lengths", [[1], [32], [1, 5, 13, 9], [32, 2, 17]], ids=str)
+    def test_decode_batch_with_different_lengths(
+        num_heads: int, num_kv_heads: int, lengths: list[int]
+    ) -> None:
+        backend = make_backend("triton", num_heads, num_kv_heads)
+        case = make_case(backend, [(n - 1, 1) for n in lengths])
+        check(case, run(case))
+
+    @pytest.mark.parametrize("head_size", [8, 24, 64])
+    def test_decode_at_the_default_block_size(head_size: int) -> None:
+        """Block size 16; head sizes that are and are not powers of two (Qwen3-style)."""
+        backend = make_backend("triton", 8, 2, head_size, block_size=16, max_model_len=128)
+        case = make_case(backend, [(n - 1, 1) for n in [1, 17, 33, 100]])
+        check(case, run(case))
+
+    def test_a_mixed_batch_of_prefills_and_decodes() -> None:
+        case = make_case(make_backend("triton", 4, 2), [(0, 5), (9, 1), (3, 4), (20, 1)])
+        check(case, run(case))
+
+    @pytest.mark.parametrize(
+        "reqs, pad_reqs", [([(4, 1), (9, 1), (0, 1)], 1), ([(2, 1), (5, 1)], 6)], ids=str
+    )
+    def test_padded_decode_rows_write_no_kv_and_output_zeros(
+        reqs: list[tuple[int, int]], pad_reqs: int
+    ) -> None:
+        backend = make_backend("triton")
+        case = make_case(backend, reqs, pad_tokens=pad_reqs, pad_reqs=pad_reqs)
+        before = [t.clone() for pair in backend.kv_caches for t in pair]
+        out = run(case)
+        check(case, out)
+        assert not out[case.metadata.num_actual_tokens :].any()
+        _assert_only_slots_written(backend, before, case.slots)
+
+    def test_padded_mixed_rows_write_no_kv() -> None:
+        """A mixed graph's padded tokens: query_start_loc's tail holds the real count."""
+        backend = make_backend("triton")
+        case = make_case(backend, [(3, 4), (0, 2)], pad_tokens=3, pad_reqs=2)
+        before = [t.clone() for pair in backend.kv_caches for t in pair]
+        out = run(case)
+        check(case, out)
+        assert torch.isfinite(out).all() and not out[case.metadata.num_actual_tokens :].any()
+        _assert_only_slots_written(backend, before, case.slots)
+
+    def test_kv_of_the_new_tokens_lands_in_their_slots() -> None:
+        backend = make_backend("triton")
+        case = make_case(backend, [(2, 3), (0, 1)])
+        run(case)
+        k_tokens, v_tokens = token_slots(backend, 0)
+        n, kvh, d = case.metadata.num_actual_tokens, backend.num_kv_heads, backend.head_size
+        slots = torch.tensor(case.slots)
+        torch.testing.assert_close(k_tokens[slots], case.key[:n].view(n, kvh, d))
+        torch.testing.assert_close(v_tokens[slots], case.value[:n].view(n, kvh, d))
+
+    def test_half_precision_caches() -> None:
+        """bfloat16 caches and inputs, float32 accumulation: close to the fp32 reference."""
+        backend = make_backend("triton", 4, 2)
+        backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
+        case = make_case(backend, [(6, 1), (0, 3)])
+        for name in ("query", "key", "value"):
+            setattr(case, name, getattr(case, name).bfloat16())
+        out = run(case).float()
+        n = case.metadata.num_actual_tokens
+        torch.testing.assert_close(out[:n], case.expected, rtol=3e-2, atol=3e-2)
+
+    def test_full_graphs_of_mixed_and_decode_batches_match_the_cpu_backend(
+        stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The engine on TRITON_ATTN (interpreted), mode FULL: the first step is a mixed
+        batch that fits a graph (a prefill beside decodes, padded), then padded decode
+        graphs; greedy ids equal the CPU backend's eager ones."""
+        from decodegraph.entrypoints.llm import LLM
+        from decodegraph.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        prompts = [[1, 30], [1, 31, 32], [1]]
+        monkeypatch.setenv("DECODEGRAPH_ATTENTION_BACKEND", "CPU_TORCH")
+        eager = LLM(str(stories_dir), max_num_seqs=4, enforce_eager=True)
+        expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        monkeypatch.setenv("DECODEGRAPH_ATTENTION_BACKEND", "TRITON_ATTN")
+        llm = LLM(
+            str(stories_dir),
+            max_num_seqs=4,
+            compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [4, 8]},
+        )
+        runner = llm.llm_engine.runner
+        assert runner.attn_backend.name == "TRITON_ATTN" and runner.mode.name == "FULL"
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected
+        assert runner.mode_counts[("mixed", "FULL")] >= 1
+        assert runner.mode_counts[("decode", "FULL")] >= 1
