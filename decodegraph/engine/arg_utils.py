@@ -19,6 +19,7 @@ from decodegraph.config import (
     parse_dtype,
 )
 from decodegraph.graphs.modes import CUDAGraphMode
+from decodegraph.models.llama import check_sliding_window
 
 
 @dataclass
@@ -139,6 +140,7 @@ class EngineArgs:
                 f"max_model_len: {model_config.max_model_len} exceeds the model's context "
                 f"length ({limit})"
             )
+        check_sliding_window(hf_config, model_config.max_model_len)  # fail before loading
         if scheduler_config.max_num_batched_tokens is None:
             scheduler_config.max_num_batched_tokens = max(2048, model_config.max_model_len)
         if compilation_config.cudagraph_mode is None:

@@ -44,16 +44,19 @@ def get_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_sliding_window(config: PretrainedConfig) -> None:
-    """Sliding-window attention is not implemented: refuse configs where it would matter."""
+def check_sliding_window(config: PretrainedConfig, max_model_len: int | None = None) -> None:
+    """Sliding-window attention is not implemented: refuse a window shorter than the
+    longest sequence the engine will run (`max_model_len`, else the model's context).
+    Within the window, full attention is exactly the same thing."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     applies = layer_types is None or "sliding_attention" in layer_types
-    if window is not None and applies and window < config.max_position_embeddings:
+    length = max_model_len or config.max_position_embeddings
+    if window is not None and applies and window < length:
         raise NotImplementedError(
-            f"sliding_window={window} (< max_position_embeddings="
-            f"{config.max_position_embeddings}) is not supported: sliding-window attention "
-            "is not implemented in decodegraph"
+            f"sliding_window={window} is shorter than max_model_len={length}: "
+            f"sliding-window attention is not implemented in decodegraph; pass "
+            f"max_model_len <= {window} (within the window, attention is exact)"
         )
 
 
@@ -180,9 +183,9 @@ _NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 class LlamaForCausalLM(nn.Module):
     """Llama decoder with an LM head (tied to the embedding when `tie_word_embeddings`)."""
 
-    def __init__(self, hf_config: PretrainedConfig) -> None:
+    def __init__(self, hf_config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__()
-        check_sliding_window(hf_config)
+        check_sliding_window(hf_config, max_model_len)
         self.config = hf_config
         self.model = LlamaModel(hf_config, self.attention_options(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))

@@ -106,3 +106,23 @@ def test_dtype_auto_reads_a_half_checkpoint_and_greedy_ids_match_transformers(
                 .tolist()
             )
         assert out.outputs[0].token_ids == want
+
+
+def test_a_sliding_window_model_within_its_window_matches_transformers(tmp_path: Path) -> None:
+    """Mistral-7B-v0.1 style: window shorter than the context. With max_model_len at most
+    the window, attention is exact; a longer max_model_len is refused, naming the fix."""
+    path = make_checkpoint(tmp_path, "mistral", sliding_window=64)
+    with pytest.raises(NotImplementedError, match="max_model_len <= 64"):
+        LLM(str(path), skip_tokenizer_init=True, max_model_len=128)
+    llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = PROMPTS[3][:36]
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        want = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert got.outputs[0].token_ids == want

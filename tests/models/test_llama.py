@@ -129,3 +129,11 @@ def test_sliding_window_smaller_than_context_is_refused() -> None:
 def test_sliding_window_covering_the_context_is_accepted() -> None:
     config = make_hf_config("mistral", sliding_window=256)
     assert isinstance(LlamaForCausalLM(config), LlamaForCausalLM)
+
+
+def test_sliding_window_covering_max_model_len_is_accepted() -> None:
+    """Mistral-7B-v0.1 style (window 4096 < 32k context): exact within the window."""
+    config = make_hf_config("mistral", sliding_window=64)
+    assert isinstance(LlamaForCausalLM(config, max_model_len=64), LlamaForCausalLM)
+    with pytest.raises(NotImplementedError, match="max_model_len <= 64"):
+        LlamaForCausalLM(config, max_model_len=65)
