@@ -18,7 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from decodegraph.sampling_params import SamplingParams
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
 # How much of the prompt primes the stream: enough context for any merge or leading
 # space rule, little enough that priming stays cheap for long prompts.
@@ -64,6 +64,13 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.output_token_ids: list[int] = []
         self.stopped = False
+        # With no stop strings and only the final text wanted (LLM.generate), tokens are
+        # fed to the stream when the text is asked for: the same stream steps in the same
+        # order, without per-step Python around each (~1.5 µs per token at batch 256).
+        self._deferred = (
+            params.output_kind is RequestOutputKind.FINAL_ONLY and not self._stop
+        )
+        self._num_fed = 0  # output tokens given to the stream so far
         self._num_held = 0  # output tokens fed to the stream and not yet in output_text
         self._last_output_offset = 0
         self._stream = self._primed_stream(prompt_token_ids)
@@ -98,18 +105,26 @@ class IncrementalDetokenizer:
         is then cut before it, or after it with `include_stop_str_in_output`)."""
         if self.stopped:
             return None
+        self.output_token_ids += new_token_ids
+        if self._deferred:
+            return None
         length_before = len(self.output_text)
-        for token_id in new_token_ids:
-            self.output_token_ids.append(token_id)
-            piece = self._step(token_id)
+        self._feed()
+        if not self._stop or len(self.output_token_ids) < self._min_tokens:
+            return None
+        return self._check_stop_strings(len(self.output_text) - length_before)
+
+    def _feed(self) -> None:
+        """Step the stream through the output tokens it has not seen yet."""
+        ids = self.output_token_ids
+        while self._num_fed < len(ids):
+            piece = self._step(ids[self._num_fed])
+            self._num_fed += 1
             if piece is None:
                 self._num_held += 1
             else:
                 self.output_text += piece
                 self._num_held = 0
-        if not self._stop or len(self.output_token_ids) < self._min_tokens:
-            return None
-        return self._check_stop_strings(len(self.output_text) - length_before)
 
     def _step(self, token_id: int) -> str | None:
         try:
@@ -122,7 +137,8 @@ class IncrementalDetokenizer:
             if "Invalid prefix" not in str(e):
                 raise
         self._stream = DecodeStream(skip_special_tokens=self._skip_special)
-        held = self.output_token_ids[len(self.output_token_ids) - 1 - self._num_held : -1]
+        fed = self.output_token_ids[: self._num_fed + 1]  # token_id is the last of these
+        held = fed[len(fed) - 1 - self._num_held : -1]
         for held_id in held:
             self._stream.step(self._backend, held_id)
         return self._stream.step(self._backend, token_id)
@@ -162,6 +178,7 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to send now: all of it, or (`delta`) what is new since the previous
         call; unless `finished`, the stop-string hold-back is left out."""
+        self._feed()
         if finished:
             self._flush()
             length = len(self.output_text)

@@ -187,3 +187,22 @@ def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
     stops = [late.update([t]) for t in ids]
     assert stops.index(".") > first_dot
     assert late.output_text == "The cat. The dog"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_final_only_text_equals_the_streamed_text(tokenizer, skip_special_tokens: bool) -> None:
+    """FINAL_ONLY without stop strings feeds the stream only when the text is asked for;
+    the text must be the same as stepping it every time (invalid bytes included)."""
+    rng = random.Random(1)
+    for _ in range(150):
+        prompt = [BOS] + random_valid_ids(rng, rng.randrange(0, 6))
+        out = random_valid_ids(rng, rng.randrange(1, 20))
+        out += [rng.randrange(BYTE_OFFSET, BYTE_OFFSET + 256) for _ in range(rng.randrange(3))]
+        texts = []
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            params = SamplingParams(skip_special_tokens=skip_special_tokens, output_kind=kind)
+            detok = IncrementalDetokenizer(tokenizer, prompt, params)
+            for i in range(0, len(out), 3):
+                assert detok.update(out[i : i + 3]) is None
+            texts.append(detok.get_next_output_text(finished=True, delta=False))
+        assert texts[0] == texts[1], (prompt, out)
