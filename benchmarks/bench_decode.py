@@ -6,7 +6,8 @@ Measures on one model (stories260K by default):
   over the median decode-step time;
 - the engine's own per-step work at batch 1 (median step time minus median forward);
 - start-up seconds, capture seconds and graph count per mode;
-- throughput of --num-requests requests x --batch-tokens tokens per mode;
+- throughput of --num-requests requests x --batch-tokens tokens per mode (median of
+  --throughput-repeats runs, as for transformers);
 - transformers `generate()` at batch 1 and on the batched run, on the same weights.
 
 Prints a table and saves JSON under benchmarks/results/.
@@ -68,16 +69,22 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
     return step_times[1:], forward_times[1:]
 
 
-def _throughput(llm: LLM, num_requests: int, tokens: int) -> float:
+def _throughput(llm: LLM, num_requests: int, tokens: int, repeats: int) -> float:
+    """Median tokens/s of `repeats` runs of the batched workload."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1] + [(7 * i) % 400 + 30]} for i in range(num_requests)]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+    return statistics.median(rates)
 
 
-def _hf(model_dir: Path, tokens: int, num_requests: int, batch_tokens: int) -> dict[str, float]:
+def _hf(
+    model_dir: Path, tokens: int, num_requests: int, batch_tokens: int, repeats: int
+) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -89,9 +96,14 @@ def _hf(model_dir: Path, tokens: int, num_requests: int, batch_tokens: int) -> d
         model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
         b1 = tokens / (time.perf_counter() - start)
         batch = torch.tensor([[1, (7 * i) % 400 + 30] for i in range(num_requests)])
-        start = time.perf_counter()
-        model.generate(batch, max_new_tokens=batch_tokens, min_new_tokens=batch_tokens, **kwargs)
-        batched = num_requests * batch_tokens / (time.perf_counter() - start)
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.generate(
+                batch, max_new_tokens=batch_tokens, min_new_tokens=batch_tokens, **kwargs
+            )
+            rates.append(num_requests * batch_tokens / (time.perf_counter() - start))
+        batched = statistics.median(rates)
     return {"batch1_tokens_per_s": b1, "batched_tokens_per_s": batched}
 
 
@@ -103,6 +115,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8, help="interleaved rounds")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=200)
+    p.add_argument("--throughput-repeats", type=int, default=3, help="median of this many")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--no-inductor", action="store_true", help="CPU graphs replay the raw trace")
@@ -148,14 +161,20 @@ def main() -> None:
         row["forward_us"] = forward * 1e6
         row["overhead_us"] = (step - forward) * 1e6
         if not args.skip_throughput:
-            row["batched_tokens_per_s"] = _throughput(llm, args.num_requests, args.batch_tokens)
+            row["batched_tokens_per_s"] = _throughput(
+                llm, args.num_requests, args.batch_tokens, args.throughput_repeats
+            )
         print(
             mode,
             json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
         )
     if not args.skip_hf:
         results["transformers"] = _hf(
-            Path(args.model), args.tokens, args.num_requests, args.batch_tokens
+            Path(args.model),
+            args.tokens,
+            args.num_requests,
+            args.batch_tokens,
+            args.throughput_repeats,
         )
         print("transformers", json.dumps(results["transformers"]))
 
