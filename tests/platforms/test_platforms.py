@@ -229,3 +229,26 @@ def test_the_graph_pool_reserve_does_not_starve_a_small_model(
     llm = _start(stories_dir, monkeypatch, PeakReportingCpuPlatform, "FULL_DECODE_ONLY")
     runner = llm.llm_engine.runner
     assert runner.num_blocks - 1 >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the kernel may back the mapping holding `address` with huge pages."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    return False
+
+
+def test_cpu_kv_caches_are_zeroed_and_advised_onto_huge_pages() -> None:
+    cache = CpuPlatform().allocate_kv_cache((4096, 4, 8, 16), torch.float32, torch.device("cpu"))
+    assert cache.shape == (4096, 4, 8, 16) and cache.dtype == torch.float32
+    assert not cache.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    assert _thp_eligible(cache.data_ptr() + cache.nbytes // 2)
