@@ -11,9 +11,15 @@ export PATH := $(abspath $(BIN)):$(PATH)
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-setup: $(BIN)/python
+setup: $(BIN)/python .triton/.installed
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .
+
+# Only tests/attention/test_triton_attn.py puts this on its child's PYTHONPATH.
+.triton/.installed: requirements-triton.txt $(BIN)/python
+	rm -rf .triton
+	$(BIN)/pip install -q --no-deps --target .triton -r requirements-triton.txt
+	touch $@
 
 demo: setup
 	$(BIN)/decodegraph generate --model preset:llama-tiny --load-format dummy \
