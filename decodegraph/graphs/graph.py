@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from decodegraph import native
+
 logger = logging.getLogger(__name__)
 
 GraphFn = Callable[..., torch.Tensor]
@@ -59,7 +61,7 @@ class Graph:
 def trace(fn: GraphFn, inputs: Sequence[torch.Tensor]) -> torch.fx.GraphModule:
     """Trace `fn` into an op graph; tensors it reads but is not given become constants."""
     with torch.no_grad():
-        return make_fx(fn)(*inputs)
+        return make_fx(fn, decomposition_table=native.decompositions())(*inputs)
 
 
 def compile_with_inductor(

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from decodegraph.attention.backends.base import EAGER_SLOT, AttentionBackend, AttentionMetadata
-from decodegraph.attention.backends.native import load_decode_op
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
 )
 from decodegraph.attention.forward_context import ForwardContext, set_forward_context
 from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.native import load_cpu_ops
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -51,7 +51,7 @@ class TorchOpsAttentionBackend(CPUAttentionBackend):
 
 def require_decode_op() -> None:
     """Skip where no C++ compiler exists; where one does, a failed build is a failure."""
-    if load_decode_op() is not None:
+    if load_cpu_ops() is not None:
         return
     if shutil.which("c++") or shutil.which("g++"):
         pytest.fail("a C++ compiler is here but the C decode kernel did not build")

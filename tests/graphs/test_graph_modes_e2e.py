@@ -269,7 +269,9 @@ def test_seeded_sampling_and_logprobs_match_mode_none(
         assert ids == ref_ids
         for step, ref_step in zip(logprobs, ref_logprobs, strict=True):
             assert step.keys() == ref_step.keys()
-            assert list(step.values()) == pytest.approx(list(ref_step.values()), abs=1e-5)
+            # Float32 rounding only: eager runs the native RMSNorm operator, a graph
+            # the aten ops it decomposes into (fused by Inductor).
+            assert list(step.values()) == pytest.approx(list(ref_step.values()), abs=1e-4)
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)

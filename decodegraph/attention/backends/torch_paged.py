@@ -9,7 +9,7 @@ block table into a workspace allocated once (sized for max_model_len), and call
   correctly as long as `update_graph_params` refreshed the slot: its cost follows the
   batch's real lengths, not max_model_len, and mixed batches work inside a graph
   (support ALWAYS). Uniform decode of float32 caches is one native operator per layer
-  (`decodegraph_cpu::paged_decode`, see native.py) that reads the slot's host tensors.
+  (`decodegraph_cpu::paged_decode`, see decodegraph/native) that reads the slot's host tensors.
 - `CUDATorchAttentionBackend`: inside a CUDA graph no Python runs at replay, so the
   captured decode path may only read device tensors: it gathers max_model_len worth of
   blocks and masks by `seq_lens`. Only uniform single-token decode is graph-safe.
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
-from decodegraph.attention.backends.native import load_decode_op
 from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.native import load_cpu_ops
 
 
 class CPUAttentionBackend(AttentionBackend):
@@ -44,7 +44,8 @@ class CPUAttentionBackend(AttentionBackend):
         # Per layer: the caches as [blocks, block_size, kvh, d] (token_view), for writes
         # by (block, offset) and gathers of whole blocks.
         self._token_views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._decode_op = load_decode_op() if self.use_native_kernel else None
+        ops = load_cpu_ops() if self.use_native_kernel else None
+        self._decode_op = ops.paged_decode.default if ops is not None else None
         self._scores: torch.Tensor | None = None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -1,19 +1,21 @@
-// decodegraph_cpu::paged_decode: the C decode kernel as a torch operator.
+// decodegraph_cpu: the C kernels of this directory as torch operators.
 //
-// Registered in C++ so that a compiled CPU graph calls it without entering Python:
-// at batch 1 the Python-level attention op cost more than the attention itself.
+// paged_decode: registered in C++ so that a compiled CPU graph calls it without entering
+// Python: at batch 1 the Python-level attention op cost more than the attention itself.
 // Host parameters (num_reqs and the sequence lengths) arrive as small CPU tensors that
 // belong to a graph's params slot; update_graph_params rewrites them before a replay.
-//
 // The KV caches are written in place but declared as plain inputs: no other operator
 // reads them, and declaring the mutation would make a compiler functionalise the op
 // and copy whole caches every step (DESIGN.md, section 6).
+//
+// rms_norm, fused_add_rms_norm: vLLM's names and semantics (out of place here).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 extern "C" {
 #include "paged_decode.c"
+#include "rms_norm.c"
 }
 
 namespace {
@@ -63,12 +65,49 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
     return out;
 }
 
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                    x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
+                    weight.numel() == x.size(1),
+                "rms_norm: float32 rows [n, hidden] with a contiguous [hidden] weight");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    check_norm_args(x, weight);
+    auto out = x.new_empty({x.size(0), x.size(1)});
+    rms_norm_f32(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
+                 x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+    check_norm_args(x, weight);
+    check_norm_args(residual, weight);
+    TORCH_CHECK(residual.size(0) == x.size(0), "fused_add_rms_norm: row counts differ");
+    auto out = x.new_empty({x.size(0), x.size(1)});
+    auto res_out = x.new_empty({x.size(0), x.size(1)});
+    fused_add_rms_norm_f32(out.data_ptr<float>(), res_out.data_ptr<float>(),
+                           x.data_ptr<float>(), residual.data_ptr<float>(),
+                           weight.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
+                           residual.stride(0), static_cast<float>(eps));
+    return {out, res_out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(decodegraph_cpu, m) {
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
+          "(Tensor, Tensor)");
     m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, "
           "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor num_reqs, "
           "float scale, Tensor workspace) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
+    m.impl("paged_decode", &paged_decode);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+}

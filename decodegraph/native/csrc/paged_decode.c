@@ -3,7 +3,7 @@
  *
  * Writes each request's new K/V into its cache slot (slot -1: a padded row, skipped),
  * then attends over the request's context through its block table. One call does a
- * whole layer (wrapped as a torch operator in paged_decode_op.cpp), so a decode step
+ * whole layer (wrapped as a torch operator in cpu_ops.cpp), so a decode step
  * pays one operator call per layer instead of a dozen tensor ops.
  *
  * Caches: [num_blocks, num_kv_heads, head_size, block_size], contiguous: within a block,

@@ -1,0 +1,123 @@
+"""decodegraph's CPU operators, built from C/C++ on first use (vLLM's csrc, for CPU).
+
+- `decodegraph_cpu::paged_decode`: a layer's decode attention in one operator (the C
+  kernel in csrc/paged_decode.c). No library ships a paged decode attention for CPU
+  that we could depend on, and at batch 1 a dozen small tensor ops per layer (or a
+  Python-level op) cost more than the attention itself.
+- `decodegraph_cpu::rms_norm` and `fused_add_rms_norm` (vLLM's names): RMSNorm in one
+  pass per row (csrc/rms_norm.c); torch's CPU rms_norm is five to seven ops, two of them
+  copies, which made it 16 % of an eager step at batch 256.
+
+csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
+extension builder into a cache keyed by the sources, flags and CPU (~8-25 s the first
+time). Where they cannot be built, `load_cpu_ops()` returns None and callers keep their
+tensor-op paths. Set DECODEGRAPH_NATIVE_KERNELS=0 to disable them. The decode kernel
+has an AVX-512 path at block size 16; DECODEGRAPH_CPU_NO_AVX512=1 forces its portable
+loops (the tests use it to check both).
+
+Graph traces see the norm operators as the aten ops they stand for (`decompositions()`),
+so Inductor fuses them with their neighbours; the decode operator stays opaque.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = (_CSRC / "cpu_ops.cpp", _CSRC / "paged_decode.c", _CSRC / "rms_norm.c")
+# -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
+# with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
+_FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return next((ln for ln in text.splitlines() if ln.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "decodegraph" / "kernels"
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("decodegraph_cpu::paged_decode")
+    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+          num_reqs, scale, workspace):  # noqa: ANN001, ANN202
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("decodegraph_cpu::rms_norm")
+    def _(x, weight, eps):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("decodegraph_cpu::fused_add_rms_norm")
+    def _(x, residual, weight, eps):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+@cache
+def load_cpu_ops() -> object | None:
+    """`torch.ops.decodegraph_cpu` with its operators loaded, or None where they cannot
+    be built."""
+    if os.environ.get("DECODEGRAPH_NATIVE_KERNELS", "1") == "0":
+        return None
+    from torch.utils.cpp_extension import load
+
+    source = b"".join(p.read_bytes() for p in _SOURCES)
+    for flags in _FLAG_SETS:
+        salt = " ".join(flags) + "|" + _cpu_id() + "|" + torch.__version__
+        key = hashlib.sha256(source + salt.encode()).hexdigest()[:16]
+        build_dir = _cache_dir() / f"cpu_ops_{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            load(
+                name=f"decodegraph_cpu_ops_{key}",
+                sources=[str(_SOURCES[0])],
+                extra_cflags=flags,
+                extra_include_paths=[str(_CSRC)],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 - any build failure means: fall back
+            logger.debug("CPU operator build failed with %s: %s", flags, e)
+            continue
+        _register_fakes()
+        return torch.ops.decodegraph_cpu
+    logger.warning(
+        "The CPU operators could not be built (no C++ compiler or torch headers?); using "
+        "tensor ops, slower at small batch"
+    )
+    return None
+
+
+def decompositions() -> dict:
+    """For graph traces: each loaded norm operator -> the aten ops it stands for (a graph
+    pays no per-op dispatch, and a compiler fuses these with their neighbours)."""
+    if not hasattr(torch.ops, "decodegraph_cpu") or not hasattr(
+        torch.ops.decodegraph_cpu, "rms_norm"
+    ):
+        return {}
+    import torch.nn.functional as F
+
+    def rms_norm(x, weight, eps):  # noqa: ANN001, ANN202
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def fused_add_rms_norm(x, residual, weight, eps):  # noqa: ANN001, ANN202
+        res = x + residual
+        return F.rms_norm(res, (res.shape[-1],), weight, eps), res
+
+    ops = torch.ops.decodegraph_cpu
+    return {ops.rms_norm.default: rms_norm, ops.fused_add_rms_norm.default: fused_add_rms_norm}
