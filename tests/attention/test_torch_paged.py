@@ -407,3 +407,21 @@ def test_the_portable_c_path_matches_too() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bfloat16_decode_matches_the_reference(kernel: str, block_size: int) -> None:
+    """bf16 caches and q/k/v (the native operator computes in float32 from them)."""
+    backend = make_backend(kernel, 8, 2, 16, block_size=block_size, max_model_len=64)
+    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
+    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
+    case = make_case(backend, [(n - 1, 1) for n in [1, 17, 40, 64]])
+    for name in ("query", "key", "value"):
+        setattr(case, name, getattr(case, name).bfloat16())
+    out = run(case)
+    assert out.dtype == torch.bfloat16
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)
+    k_tokens, _ = token_slots(backend, 0)
+    slots = torch.tensor(case.slots)
+    assert torch.equal(k_tokens[slots], case.key[:n].view(n, 2, 16))  # stored bit for bit

@@ -8,8 +8,9 @@ block table into a workspace allocated once (sized for max_model_len), and call
   slot. On CPU the attention runs its own code at every replay, so a graph replays
   correctly as long as `update_graph_params` refreshed the slot: its cost follows the
   batch's real lengths, not max_model_len, and mixed batches work inside a graph
-  (support ALWAYS). Uniform decode of float32 caches is one native operator per layer
-  (`decodegraph_cpu::paged_decode`, see decodegraph/native) that reads the slot's host tensors.
+  (support ALWAYS). Uniform decode of float32 and bfloat16 caches is one native operator
+  per layer (`decodegraph_cpu::paged_decode`, see decodegraph/native) that reads the
+  slot's host tensors.
 - `CUDATorchAttentionBackend`: inside a CUDA graph no Python runs at replay, so the
   captured decode path may only read device tensors: it gathers max_model_len worth of
   blocks and masks by `seq_lens`. Only uniform single-token decode is graph-safe.
@@ -32,7 +33,7 @@ class CPUAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "CPU_TORCH"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
-    # Uniform decode of float32 caches runs in the native operator (native.py);
+    # Uniform decode of float32/bfloat16 caches runs in the native operator;
     # subclasses on devices opt out.
     use_native_kernel: ClassVar[bool] = True
 
@@ -107,8 +108,8 @@ class CPUAttentionBackend(AttentionBackend):
         if self._decode_op is None or not md.uniform_decode or md.num_actual_tokens == 0:
             return None
         k_cache, v_cache = self.kv_caches[layer_idx]
-        if k_cache.dtype != torch.float32:
-            return None
+        if k_cache.dtype not in (torch.float32, torch.bfloat16):
+            return None  # float16: the tensor-op path
         args = (
             k_cache,
             v_cache,

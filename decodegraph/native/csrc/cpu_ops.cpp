@@ -25,8 +25,11 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
                         double scale, const at::Tensor& workspace) {
-    TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
-                "paged_decode: float32 only");
+    const auto dtype = k_cache.scalar_type();
+    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                    query.scalar_type() == dtype && key.scalar_type() == dtype &&
+                    value.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+                "paged_decode: query, key, value and caches all float32 or all bfloat16");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
                     seq_lens.scalar_type() == at::kInt && num_reqs_host.scalar_type() == at::kInt,
                 "paged_decode: slot_mapping int64, block_tables/seq_lens/num_reqs int32");
@@ -52,14 +55,27 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
     TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() && max_len > 0,
                 "paged_decode: workspace too small");
     auto out = at::empty({rows, query.size(1)}, query.options());
-    const int status = paged_decode_f32(
-        query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
-        out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-        slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
-        block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0),
-        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, block_size,
-        static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
-        block_tables.size(1), max_len);
+    int status;
+    if (dtype == at::kFloat) {
+        status = paged_decode_f32(
+            query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
+            out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+            slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
+            block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows,
+            query.stride(0), key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size,
+            block_size, static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
+            block_tables.size(1), max_len);
+    } else {
+        auto u16 = [](const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); };
+        status = paged_decode_bf16(
+            u16(query), u16(key), u16(value), u16(out), u16(k_cache), u16(v_cache),
+            slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
+            block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows,
+            query.stride(0), key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size,
+            block_size, static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
+            block_tables.size(1), max_len);
+        TORCH_CHECK(status != 3, "paged_decode: bfloat16 head size above 512");
+    }
     TORCH_CHECK(status == 0, "paged_decode: a slot, block id or sequence length is outside "
                 "the KV cache, the block table or the workspace");
     return out;

@@ -1,5 +1,6 @@
 /*
- * Paged attention for a uniform decode batch (one new token per request), float32.
+ * Paged attention for a uniform decode batch (one new token per request), float32 (and
+ * bfloat16: paged_decode_bf16 at the end, portable loops, float32 arithmetic).
  *
  * Writes each request's new K/V into its cache slot (slot -1: a padded row, skipped),
  * then attends over the request's context through its block table. One call does a
@@ -177,17 +178,12 @@ static int use_avx512(void)
 static int use_avx512(void) { return 0; }
 #endif
 
-int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
-                     float *k_cache, float *v_cache, const int64_t *slot_mapping,
-                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                     int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
-                     int64_t v_stride, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_size, int64_t block_size, float scale, float *work,
-                     int64_t num_blocks, int64_t bt_cols, int64_t max_len)
+/* Refuse metadata that would read or write outside the caches, the block table or the
+ * workspace (checked before anything is written). */
+static int check_metadata(const int64_t *slot_mapping, const int32_t *block_tables,
+                          int64_t bt_stride, const int32_t *seq_lens, int64_t num_reqs,
+                          int64_t bs, int64_t num_blocks, int64_t bt_cols, int64_t max_len)
 {
-    const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
-    const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
-    /* Refuse metadata that would read or write outside the caches (nothing written yet). */
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t s = slot_mapping[r], len = seq_lens[r];
         const int64_t padded_len = (len + bs - 1) / bs * bs;
@@ -199,6 +195,23 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
                 return 2;
         }
     }
+    return 0;
+}
+
+int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
+                     float *k_cache, float *v_cache, const int64_t *slot_mapping,
+                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                     int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
+                     int64_t v_stride, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_size, int64_t block_size, float scale, float *work,
+                     int64_t num_blocks, int64_t bt_cols, int64_t max_len)
+{
+    const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
+    const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
+    const int bad = check_metadata(slot_mapping, block_tables, bt_stride, seq_lens, num_reqs,
+                                   bs, num_blocks, bt_cols, max_len);
+    if (bad)
+        return bad;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t s = slot_mapping[r];
         if (s < 0)
@@ -241,5 +254,137 @@ int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
     }
     for (int64_t r = num_reqs; r < num_rows; r++)
         memset(out + r * num_heads * d, 0, num_heads * d * sizeof(float));
+    return 0;
+}
+
+/* ---- bfloat16: caches, q/k/v and out in bf16; scores and sums in float32 ---- */
+
+static inline float bf16_to_f32(uint16_t x)
+{
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) /* round to nearest even, as torch does */
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+/* attend_head for bf16 caches (portable loops; q and o in float32), rounding to bf16
+ * where a bf16 model's reference attention does (transformers' eager attention, our
+ * tensor-op path): the scaled scores, and the normalised weights before they multiply V.
+ * Sums are float32 throughout, as in a bf16 matmul. */
+static inline __attribute__((always_inline)) void attend_head_bf16(
+    const float *qh, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *bt,
+    int64_t len, int64_t tile_stride, int64_t tile_off, int64_t d, const int64_t bs,
+    float scale, float *__restrict__ sc, float *__restrict__ acc, float *__restrict__ o)
+{
+    float m = -FLT_MAX;
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const uint16_t *kt = k_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+        float *s = sc + p0;
+        for (int64_t j = 0; j < bs; j++)
+            s[j] = 0.f;
+        for (int64_t i = 0; i < d; i++) {
+            const float qi = qh[i];
+            for (int64_t j = 0; j < bs; j++)
+                s[j] += qi * bf16_to_f32(kt[i * bs + j]);
+        }
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = round_bf16(round_bf16(s[j]) * scale);
+            m = s[j] > m ? s[j] : m;
+        }
+    }
+    float total = 0.f;
+    for (int64_t p = 0; p < len; p++) {
+        sc[p] = expf(sc[p] - m);
+        total += sc[p];
+    }
+    memset(acc, 0, (size_t)d * bs * sizeof(float));
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const uint16_t *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+        float *s = sc + p0;
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        for (int64_t j = 0; j < n; j++)
+            s[j] = round_bf16(s[j] / total);
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t j = 0; j < n; j++)
+                acc[i * bs + j] += s[j] * bf16_to_f32(vt[i * bs + j]);
+    }
+    for (int64_t i = 0; i < d; i++) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < bs; j++)
+            sum += acc[i * bs + j];
+        o[i] = sum;
+    }
+}
+
+enum { BF16_MAX_HEAD = 512 };
+
+/* paged_decode_f32 for bfloat16 tensors (same layout, same return codes; 3: a head size
+ * above BF16_MAX_HEAD). */
+int paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
+                      uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
+                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                      int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
+                      int64_t v_stride, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_size, int64_t block_size, float scale, float *work,
+                      int64_t num_blocks, int64_t bt_cols, int64_t max_len)
+{
+    const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
+    const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
+    if (d > BF16_MAX_HEAD)
+        return 3;
+    const int bad = check_metadata(slot_mapping, block_tables, bt_stride, seq_lens, num_reqs,
+                                   bs, num_blocks, bt_cols, max_len);
+    if (bad)
+        return bad;
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int64_t s = slot_mapping[r];
+        if (s < 0)
+            continue;
+        uint16_t *kt = k_cache + (s / bs) * tile_stride + s % bs;
+        uint16_t *vt = v_cache + (s / bs) * tile_stride + s % bs;
+        for (int64_t c = 0; c < kvh * d; c++) {
+            kt[c * bs] = k[r * k_stride + c];
+            vt[c * bs] = v[r * v_stride + c];
+        }
+    }
+    float *sc = work, *acc = work + max_len;
+    float qf[BF16_MAX_HEAD], of[BF16_MAX_HEAD];
+    for (int64_t r = 0; r < num_reqs; r++) {
+        const int32_t *bt = block_tables + r * bt_stride;
+        const int64_t len = seq_lens[r];
+        uint16_t *o_row = out + r * num_heads * d;
+        for (int64_t h = 0; h < num_heads; h++) {
+            if (len <= 0) {
+                memset(o_row + h * d, 0, d * sizeof(uint16_t)); /* bf16 zero is all-zero */
+                continue;
+            }
+            for (int64_t i = 0; i < d; i++)
+                qf[i] = bf16_to_f32(q[r * q_stride + h * d + i]);
+            const int64_t off = (h / g) * tile;
+            if (bs == 16)
+                attend_head_bf16(qf, k_cache, v_cache, bt, len, tile_stride, off, d, 16, scale,
+                                 sc, acc, of);
+            else
+                attend_head_bf16(qf, k_cache, v_cache, bt, len, tile_stride, off, d, bs, scale,
+                                 sc, acc, of);
+            for (int64_t i = 0; i < d; i++)
+                o_row[h * d + i] = f32_to_bf16(of[i]);
+        }
+    }
+    for (int64_t r = num_reqs; r < num_rows; r++)
+        memset(out + r * num_heads * d, 0, num_heads * d * sizeof(uint16_t));
     return 0;
 }
