@@ -302,7 +302,14 @@ class ModelRunner:
         uniform = num_tokens == num_reqs
         mode, key = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
         padded_tokens = key.num_tokens
-        padded_reqs = key.num_reqs if key.uniform else num_reqs
+        if key.uniform:
+            padded_reqs = key.num_reqs
+        elif mode is RuntimeMode.FULL:
+            # A mixed graph's metadata spans every request row (captured so): rows past
+            # this batch must read as empty to kernels that search them on the device.
+            padded_reqs = self.max_num_reqs
+        else:
+            padded_reqs = num_reqs
         if so.preempted_request_ids:
             b.forget(so.preempted_request_ids)
         ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
@@ -341,14 +348,6 @@ class ModelRunner:
             qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
             b.clear_block_rows(num_reqs, padded_reqs)
         b.copy_to_device(padded_tokens, padded_reqs)
-        if mode is RuntimeMode.FULL and not key.uniform:
-            # A mixed graph's metadata spans every request row (captured so): rows past
-            # this batch must read as empty to kernels that search them on the device.
-            span = self.max_num_reqs
-            seq_lens[num_reqs:span] = 0
-            qsl[num_reqs + 1 : span + 1] = num_tokens
-            b.seq_lens.copy_to_device(span)
-            b.query_start_loc.copy_to_device(span + 1)
         b.num_reqs_np[0] = num_reqs
         md = self._metadata(
             num_reqs,

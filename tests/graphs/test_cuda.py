@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from decodegraph.attention.backends.base import AttentionBackend
 from decodegraph.attention.selector import ENV_VAR
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.dispatcher import BatchDescriptor
@@ -21,6 +20,7 @@ from decodegraph.graphs.manager import CaptureClosedError
 from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.sampling_params import SamplingParams
 from tests.utils.checkpoints import make_checkpoint
+from tests.utils.kv import changed_slots
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU; none is available"
@@ -144,13 +144,7 @@ def test_padded_decode_rows_write_only_the_null_block(engine: Callable[[str], LL
     written = sorted(runner.buffers.slot_mapping.np[:3].tolist())
     bs = runner.block_size
     for old, new in zip(before, [t for p in runner.attn_backend.kv_caches for t in p], strict=True):
-        changed = (
-            (AttentionBackend.token_view(old) != AttentionBackend.token_view(new))
-            .flatten(0, 1)
-            .any(-1)
-            .any(-1)
-        )
-        slots = changed.nonzero().flatten().tolist()
+        slots = changed_slots(old, new)
         assert [s for s in slots if s >= bs] == written
     while eng.has_unfinished_requests():
         eng.step()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decodegraph.attention.backends.base import EAGER_SLOT, AttentionBackend, AttentionMetadata
+from decodegraph.attention.backends.base import EAGER_SLOT, AttentionMetadata
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.attention.forward_context import ForwardContext, set_forward_context
 from decodegraph.config import CompilationConfig
@@ -22,6 +22,7 @@ from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.graphs.piecewise import PiecewiseGraph, cpu_piece_factory, split_at_attention
 from decodegraph.sampling_params import SamplingParams
 from decodegraph.worker.input_buffers import PersistentBuffer
+from tests.utils.kv import changed_slots
 
 NO_INDUCTOR = CompilationConfig(use_inductor=False)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -259,13 +260,7 @@ def test_padded_rows_write_no_kv(stories_dir: Path, mode: str) -> None:
     assert runner.buffers.slot_mapping.np[3] == -1  # the padded row
     after = [t for pair in runner.attn_backend.kv_caches for t in pair]
     for old, new in zip(before, after, strict=True):
-        changed = (
-            (AttentionBackend.token_view(old) != AttentionBackend.token_view(new))
-            .flatten(0, 1)
-            .any(-1)
-            .any(-1)
-        )
-        slots = changed.nonzero().flatten().tolist()
+        slots = changed_slots(old, new)
         block_size = runner.block_size
         # The reserved null block 0 aside, exactly the three real rows' slots changed.
         assert [s for s in slots if s >= block_size] == written

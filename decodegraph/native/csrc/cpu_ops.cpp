@@ -55,27 +55,14 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at
     TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() && max_len > 0,
                 "paged_decode: workspace too small");
     auto out = at::empty({rows, query.size(1)}, query.options());
-    int status;
-    if (dtype == at::kFloat) {
-        status = paged_decode_f32(
-            query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
-            out.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-            slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
-            block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows,
-            query.stride(0), key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size,
-            block_size, static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
-            block_tables.size(1), max_len);
-    } else {
-        auto u16 = [](const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); };
-        status = paged_decode_bf16(
-            u16(query), u16(key), u16(value), u16(out), u16(k_cache), u16(v_cache),
-            slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
-            block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows,
-            query.stride(0), key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size,
-            block_size, static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
-            block_tables.size(1), max_len);
-        TORCH_CHECK(status != 3, "paged_decode: bfloat16 head size above 512");
-    }
+    const int status = paged_decode_layer(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
+        block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0),
+        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, block_size,
+        static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
+        block_tables.size(1), max_len, dtype == at::kBFloat16);
+    TORCH_CHECK(status != 3, "paged_decode: bfloat16 head size above 512");
     TORCH_CHECK(status == 0, "paged_decode: a slot, block id or sequence length is outside "
                 "the KV cache, the block table or the workspace");
     return out;

@@ -1,6 +1,6 @@
 /*
- * Paged attention for a uniform decode batch (one new token per request), float32 (and
- * bfloat16: paged_decode_bf16 at the end, portable loops, float32 arithmetic).
+ * Paged attention for a uniform decode batch (one new token per request), float32 or
+ * bfloat16 (portable loops there; float32 arithmetic in both).
  *
  * Writes each request's new K/V into its cache slot (slot -1: a padded row, skipped),
  * then attends over the request's context through its block table. One call does a
@@ -11,11 +11,11 @@
  *         one head's values of one dimension lie side by side for block_size positions,
  *         so both products run block_size wide (one AVX-512 vector at block size 16)
  *         and the softmax weights scale V without a horizontal sum per position.
- * q/k/v:  rows of `q_stride` / `k_stride` / `v_stride` floats; head h of row r at
+ * q/k/v:  rows of `q_stride` / `k_stride` / `v_stride` values; head h of row r at
  *         r * stride + h * d.
  * out:    [num_rows, num_heads * head_size]; rows past num_reqs are zeroed.
- * work:   `max_len` scores, then head_size * block_size accumulators; allocated once by
- *         the caller (an op never allocates inside a graph).
+ * work:   float32: `max_len` scores, then (head_size + 1) * block_size accumulators;
+ *         allocated once by the caller (an op never allocates inside a graph).
  * Returns 0, or non-zero (and touches nothing) when a slot, block id or length is
  * outside the caches, the block table or the workspace.
  */
@@ -25,30 +25,93 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One query head over its KV head's context in two passes: scores and their maximum,
- * then exp-weighted sums of V (no running rescale). Callers pass `bs` as a constant
- * where they can, which makes every inner loop exactly one vector wide. Lanes past the
- * context in the last block are computed in the first pass but never used. */
-static inline __attribute__((always_inline)) void attend_head(
-    const float *qh, const float *k_cache, const float *v_cache, const int32_t *bt,
-    int64_t len, int64_t tile_stride, int64_t tile_off, int64_t d, const int64_t bs,
-    float scale, float *__restrict__ sc, float *__restrict__ acc, float *__restrict__ o)
+/* bfloat16 <-> float32, bit for bit as torch converts (round to nearest even). */
+static inline float bf16_to_f32(uint16_t x)
 {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Element i of a float32 or (bf16) bfloat16 array; `bf16` is a constant at every call. */
+INLINE float kv_at(const void *tile, int64_t i, const int bf16)
+{
+    return bf16 ? bf16_to_f32(((const uint16_t *)tile)[i]) : ((const float *)tile)[i];
+}
+
+/* One KV head's tile of the block holding context position p0. */
+INLINE const void *tile_of(const void *cache, const int32_t *bt, int64_t p0, int64_t bs,
+                           int64_t tile_stride, int64_t tile_off, const int bf16)
+{
+    const int64_t at = (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+    return (const char *)cache + at * (bf16 ? 2 : 4);
+}
+
+/* First pass of attend_head: every context position's scaled score into sc; returns
+ * their maximum. float32 folds the scale into q; bfloat16 rounds the raw and the scaled
+ * score to bf16, as a bf16 matmul and the multiply after it do. Lanes past the context
+ * in the last block are computed but never used. */
+INLINE float score_pass(const float *qh, const void *k_cache, const int32_t *bt, int64_t len,
+                        int64_t tile_stride, int64_t tile_off, int64_t d, const int64_t bs,
+                        float scale, float *__restrict__ sc, const int bf16)
+{
+    const float q_scale = bf16 ? 1.f : scale;
     float m = -FLT_MAX;
     for (int64_t p0 = 0; p0 < len; p0 += bs) {
-        const float *kt = k_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+        const void *kt = tile_of(k_cache, bt, p0, bs, tile_stride, tile_off, bf16);
         float *s = sc + p0;
         for (int64_t j = 0; j < bs; j++)
             s[j] = 0.f;
         for (int64_t i = 0; i < d; i++) {
-            const float qi = qh[i] * scale;
+            const float qi = qh[i] * q_scale;
             for (int64_t j = 0; j < bs; j++)
-                s[j] += qi * kt[i * bs + j];
+                s[j] += qi * kv_at(kt, i * bs + j, bf16);
         }
         const int64_t n = len - p0 < bs ? len - p0 : bs;
-        for (int64_t j = 0; j < n; j++)
+        for (int64_t j = 0; j < n; j++) {
+            if (bf16)
+                s[j] = round_bf16(round_bf16(s[j]) * scale);
             m = s[j] > m ? s[j] : m;
+        }
     }
+    return m;
+}
+
+/* o[i] = inv * (sum over the block_size lanes of accumulator row i). */
+INLINE void reduce_lanes(const float *acc, int64_t d, int64_t bs, float inv, float *o)
+{
+    for (int64_t i = 0; i < d; i++) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < bs; j++)
+            sum += acc[i * bs + j];
+        o[i] = sum * inv;
+    }
+}
+
+/* One query head over its KV head's context, float32, in two passes: scores and their
+ * maximum, then exp-weighted sums of V (no running rescale). Callers pass `bs` as a
+ * constant where they can, which makes every inner loop exactly one vector wide. */
+INLINE void attend_head(const float *qh, const float *k_cache, const float *v_cache,
+                        const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
+                        int64_t d, const int64_t bs, float scale, float *__restrict__ sc,
+                        float *__restrict__ acc, float *__restrict__ o)
+{
+    const float m = score_pass(qh, k_cache, bt, len, tile_stride, tile_off, d, bs, scale, sc, 0);
     memset(acc, 0, (size_t)(d + 1) * bs * sizeof(float));
     float *l = acc + d * bs; /* per-lane sums of the weights */
     for (int64_t p0 = 0; p0 < len; p0 += bs) {
@@ -76,13 +139,37 @@ static inline __attribute__((always_inline)) void attend_head(
     float total = 0.f;
     for (int64_t j = 0; j < bs; j++)
         total += l[j];
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < d; i++) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < bs; j++)
-            sum += acc[i * bs + j];
-        o[i] = sum * inv;
+    reduce_lanes(acc, d, bs, 1.f / total, o);
+}
+
+/* attend_head for bf16 caches (q and o in float32), rounding to bf16 where a bf16
+ * model's reference attention does (transformers' eager attention, our tensor-op path):
+ * the scaled scores, and the normalised weights before they multiply V. Sums are float32
+ * throughout, as in a bf16 matmul. */
+INLINE void attend_head_bf16(const float *qh, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int32_t *bt, int64_t len, int64_t tile_stride,
+                             int64_t tile_off, int64_t d, const int64_t bs, float scale,
+                             float *__restrict__ sc, float *__restrict__ acc,
+                             float *__restrict__ o)
+{
+    const float m = score_pass(qh, k_cache, bt, len, tile_stride, tile_off, d, bs, scale, sc, 1);
+    float total = 0.f;
+    for (int64_t p = 0; p < len; p++) {
+        sc[p] = expf(sc[p] - m);
+        total += sc[p];
     }
+    memset(acc, 0, (size_t)d * bs * sizeof(float));
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const uint16_t *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
+        float *s = sc + p0;
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        for (int64_t j = 0; j < n; j++)
+            s[j] = round_bf16(s[j] / total);
+        for (int64_t i = 0; i < d; i++)
+            for (int64_t j = 0; j < n; j++)
+                acc[i * bs + j] += s[j] * bf16_to_f32(vt[i * bs + j]);
+    }
+    reduce_lanes(acc, d, bs, 1.f, o);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -198,193 +285,94 @@ static int check_metadata(const int64_t *slot_mapping, const int32_t *block_tabl
     return 0;
 }
 
-int paged_decode_f32(const float *q, const float *k, const float *v, float *out,
-                     float *k_cache, float *v_cache, const int64_t *slot_mapping,
-                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                     int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
-                     int64_t v_stride, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_size, int64_t block_size, float scale, float *work,
-                     int64_t num_blocks, int64_t bt_cols, int64_t max_len)
+/* Copy each request's new K/V row into its cache slot: element c = head * d + dim of the
+ * row goes to tile c / d, row c % d, lane slot % block_size. `elem` bytes per value. */
+static void write_new_kv(char *k_cache, char *v_cache, const char *k, const char *v,
+                         const int64_t *slot_mapping, int64_t num_reqs, int64_t k_stride,
+                         int64_t v_stride, int64_t row, int64_t bs, int64_t tile_stride,
+                         size_t elem)
 {
-    const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
-    const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
-    const int bad = check_metadata(slot_mapping, block_tables, bt_stride, seq_lens, num_reqs,
-                                   bs, num_blocks, bt_cols, max_len);
-    if (bad)
-        return bad;
     for (int64_t r = 0; r < num_reqs; r++) {
         const int64_t s = slot_mapping[r];
         if (s < 0)
-            continue;
-        float *kt = k_cache + (s / bs) * tile_stride + s % bs;
-        float *vt = v_cache + (s / bs) * tile_stride + s % bs;
-        for (int64_t c = 0; c < kvh * d; c++) { /* c = head * d + dim: tile c / d, row c % d */
-            kt[c * bs] = k[r * k_stride + c];
-            vt[c * bs] = v[r * v_stride + c];
+            continue; /* a padded row */
+        const int64_t at = (s / bs) * tile_stride + s % bs;
+        for (int64_t c = 0; c < row; c++) {
+            memcpy(k_cache + (at + c * bs) * elem, k + (r * k_stride + c) * elem, elem);
+            memcpy(v_cache + (at + c * bs) * elem, v + (r * v_stride + c) * elem, elem);
         }
-    }
-    float *sc = work, *acc = work + max_len;
-    const int avx512 = use_avx512();
-    (void)avx512;
-    for (int64_t r = 0; r < num_reqs; r++) {
-        const int32_t *bt = block_tables + r * bt_stride;
-        const int64_t len = seq_lens[r];
-        float *o_row = out + r * num_heads * d;
-        if (len <= 0) {
-            memset(o_row, 0, num_heads * d * sizeof(float));
-            continue;
-        }
-#if defined(__x86_64__) && defined(__GNUC__)
-        if (bs == 16 && d <= 512 && avx512) {
-            attend_request16(q + r * q_stride, k_cache, v_cache, bt, len, tile_stride, num_heads,
-                             g, d, scale, sc, o_row);
-            continue;
-        }
-#endif
-        for (int64_t h = 0; h < num_heads; h++) {
-            const float *qh = q + r * q_stride + h * d;
-            const int64_t off = (h / g) * tile;
-            if (bs == 16)
-                attend_head(qh, k_cache, v_cache, bt, len, tile_stride, off, d, 16, scale, sc,
-                            acc, o_row + h * d);
-            else
-                attend_head(qh, k_cache, v_cache, bt, len, tile_stride, off, d, bs, scale, sc,
-                            acc, o_row + h * d);
-        }
-    }
-    for (int64_t r = num_reqs; r < num_rows; r++)
-        memset(out + r * num_heads * d, 0, num_heads * d * sizeof(float));
-    return 0;
-}
-
-/* ---- bfloat16: caches, q/k/v and out in bf16; scores and sums in float32 ---- */
-
-static inline float bf16_to_f32(uint16_t x)
-{
-    const uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) /* round to nearest even, as torch does */
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-
-/* attend_head for bf16 caches (portable loops; q and o in float32), rounding to bf16
- * where a bf16 model's reference attention does (transformers' eager attention, our
- * tensor-op path): the scaled scores, and the normalised weights before they multiply V.
- * Sums are float32 throughout, as in a bf16 matmul. */
-static inline __attribute__((always_inline)) void attend_head_bf16(
-    const float *qh, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *bt,
-    int64_t len, int64_t tile_stride, int64_t tile_off, int64_t d, const int64_t bs,
-    float scale, float *__restrict__ sc, float *__restrict__ acc, float *__restrict__ o)
-{
-    float m = -FLT_MAX;
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
-        const uint16_t *kt = k_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
-        float *s = sc + p0;
-        for (int64_t j = 0; j < bs; j++)
-            s[j] = 0.f;
-        for (int64_t i = 0; i < d; i++) {
-            const float qi = qh[i];
-            for (int64_t j = 0; j < bs; j++)
-                s[j] += qi * bf16_to_f32(kt[i * bs + j]);
-        }
-        const int64_t n = len - p0 < bs ? len - p0 : bs;
-        for (int64_t j = 0; j < n; j++) {
-            s[j] = round_bf16(round_bf16(s[j]) * scale);
-            m = s[j] > m ? s[j] : m;
-        }
-    }
-    float total = 0.f;
-    for (int64_t p = 0; p < len; p++) {
-        sc[p] = expf(sc[p] - m);
-        total += sc[p];
-    }
-    memset(acc, 0, (size_t)d * bs * sizeof(float));
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
-        const uint16_t *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
-        float *s = sc + p0;
-        const int64_t n = len - p0 < bs ? len - p0 : bs;
-        for (int64_t j = 0; j < n; j++)
-            s[j] = round_bf16(s[j] / total);
-        for (int64_t i = 0; i < d; i++)
-            for (int64_t j = 0; j < n; j++)
-                acc[i * bs + j] += s[j] * bf16_to_f32(vt[i * bs + j]);
-    }
-    for (int64_t i = 0; i < d; i++) {
-        float sum = 0.f;
-        for (int64_t j = 0; j < bs; j++)
-            sum += acc[i * bs + j];
-        o[i] = sum;
     }
 }
 
 enum { BF16_MAX_HEAD = 512 };
 
-/* paged_decode_f32 for bfloat16 tensors (same layout, same return codes; 3: a head size
- * above BF16_MAX_HEAD). */
-int paged_decode_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                      uint16_t *k_cache, uint16_t *v_cache, const int64_t *slot_mapping,
-                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                      int64_t num_reqs, int64_t num_rows, int64_t q_stride, int64_t k_stride,
-                      int64_t v_stride, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_size, int64_t block_size, float scale, float *work,
-                      int64_t num_blocks, int64_t bt_cols, int64_t max_len)
+/* The layer's decode step (see the top of this file); all tensors float32, or all
+ * bfloat16 when `bf16` (portable loops there, head_size at most BF16_MAX_HEAD, else 3). */
+int paged_decode_layer(const void *q, const void *k, const void *v, void *out, void *k_cache,
+                       void *v_cache, const int64_t *slot_mapping, const int32_t *block_tables,
+                       int64_t bt_stride, const int32_t *seq_lens, int64_t num_reqs,
+                       int64_t num_rows, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                       int64_t block_size, float scale, float *work, int64_t num_blocks,
+                       int64_t bt_cols, int64_t max_len, int bf16)
 {
     const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
     const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
-    if (d > BF16_MAX_HEAD)
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    if (bf16 && d > BF16_MAX_HEAD)
         return 3;
     const int bad = check_metadata(slot_mapping, block_tables, bt_stride, seq_lens, num_reqs,
                                    bs, num_blocks, bt_cols, max_len);
     if (bad)
         return bad;
-    for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t s = slot_mapping[r];
-        if (s < 0)
-            continue;
-        uint16_t *kt = k_cache + (s / bs) * tile_stride + s % bs;
-        uint16_t *vt = v_cache + (s / bs) * tile_stride + s % bs;
-        for (int64_t c = 0; c < kvh * d; c++) {
-            kt[c * bs] = k[r * k_stride + c];
-            vt[c * bs] = v[r * v_stride + c];
-        }
-    }
+    write_new_kv((char *)k_cache, (char *)v_cache, (const char *)k, (const char *)v,
+                 slot_mapping, num_reqs, k_stride, v_stride, kvh * d, bs, tile_stride, elem);
     float *sc = work, *acc = work + max_len;
+    const int avx512 = !bf16 && bs == 16 && d <= 512 && use_avx512();
     float qf[BF16_MAX_HEAD], of[BF16_MAX_HEAD];
     for (int64_t r = 0; r < num_reqs; r++) {
         const int32_t *bt = block_tables + r * bt_stride;
         const int64_t len = seq_lens[r];
-        uint16_t *o_row = out + r * num_heads * d;
+        char *o_row = (char *)out + r * num_heads * d * elem;
+        if (len <= 0) {
+            memset(o_row, 0, num_heads * d * elem); /* 0 is all-zero bits in both types */
+            continue;
+        }
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (avx512) {
+            attend_request16((const float *)q + r * q_stride, (const float *)k_cache,
+                             (const float *)v_cache, bt, len, tile_stride, num_heads, g, d,
+                             scale, sc, (float *)o_row);
+            continue;
+        }
+#endif
         for (int64_t h = 0; h < num_heads; h++) {
-            if (len <= 0) {
-                memset(o_row + h * d, 0, d * sizeof(uint16_t)); /* bf16 zero is all-zero */
+            const int64_t off = (h / g) * tile;
+            if (bf16) {
+                const uint16_t *qh = (const uint16_t *)q + r * q_stride + h * d;
+                for (int64_t i = 0; i < d; i++)
+                    qf[i] = bf16_to_f32(qh[i]);
+                const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
+                if (bs == 16)
+                    attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc,
+                                     acc, of);
+                else
+                    attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc,
+                                     acc, of);
+                for (int64_t i = 0; i < d; i++)
+                    ((uint16_t *)o_row)[h * d + i] = f32_to_bf16(of[i]);
                 continue;
             }
-            for (int64_t i = 0; i < d; i++)
-                qf[i] = bf16_to_f32(q[r * q_stride + h * d + i]);
-            const int64_t off = (h / g) * tile;
+            const float *qh = (const float *)q + r * q_stride + h * d;
+            const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
+            float *o = (float *)o_row + h * d;
             if (bs == 16)
-                attend_head_bf16(qf, k_cache, v_cache, bt, len, tile_stride, off, d, 16, scale,
-                                 sc, acc, of);
+                attend_head(qh, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc, acc, o);
             else
-                attend_head_bf16(qf, k_cache, v_cache, bt, len, tile_stride, off, d, bs, scale,
-                                 sc, acc, of);
-            for (int64_t i = 0; i < d; i++)
-                o_row[h * d + i] = f32_to_bf16(of[i]);
+                attend_head(qh, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc, acc, o);
         }
     }
     for (int64_t r = num_reqs; r < num_rows; r++)
-        memset(out + r * num_heads * d, 0, num_heads * d * sizeof(uint16_t));
+        memset((char *)out + r * num_heads * d * elem, 0, num_heads * d * elem);
     return 0;
 }
