@@ -18,6 +18,10 @@ class ForwardContext:
     # Which graph-params slot the attention op reads: the eager slot, or the slot of
     # the graph being captured (baked into it, refreshed before each replay).
     params_slot: int
+    # A piecewise capture: attention must stay the op the trace is split at (run
+    # eagerly with each step's metadata), never a native operator called directly with
+    # this capture's metadata tensors baked in.
+    split_attention: bool = False
 
 
 _forward_context: ForwardContext | None = None

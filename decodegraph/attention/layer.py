@@ -74,10 +74,11 @@ class Attention(nn.Module):
         if ctx is None:
             # No engine around (a model used on its own): one causal sequence, no cache.
             return self._causal_attention(q, k, v)
-        direct = ctx.attn_backend.decode_op_args(self.layer_idx, ctx.params_slot)
-        if direct is not None:
-            op, args = direct
-            return op(q, k, v, *args)
+        if not ctx.split_attention:
+            direct = ctx.attn_backend.native_op_args(self.layer_idx, ctx.params_slot)
+            if direct is not None:
+                op, args = direct
+                return op(q, k, v, *args)
         return torch.ops.decodegraph.unified_attention(q, k, v, self.layer_idx, ctx.params_slot)
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

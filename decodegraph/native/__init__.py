@@ -1,9 +1,10 @@
 """decodegraph's CPU operators, built from C/C++ on first use (vLLM's csrc, for CPU).
 
-- `decodegraph_cpu::paged_decode`: a layer's decode attention in one operator (the C
-  kernel in csrc/paged_decode.c). No library ships a paged decode attention for CPU
-  that we could depend on, and at batch 1 a dozen small tensor ops per layer (or a
-  Python-level op) cost more than the attention itself.
+- `decodegraph_cpu::paged_attention`: a layer's attention for any batch (decodes,
+  prefills, chunks) in one operator (the C kernel in csrc/paged_attention.c). No library
+  ships a paged attention for CPU that we could depend on; at batch 1 a dozen small
+  tensor ops per layer (or a Python-level op) cost more than the attention itself, and
+  a prefill of 256 short prompts paid one attention call per request and layer.
 - `decodegraph_cpu::rms_norm` and `fused_add_rms_norm` (vLLM's names): RMSNorm in one
   pass per row (csrc/rms_norm.c); torch's CPU rms_norm is five to seven ops, two of them
   copies, which made it 16 % of an eager step at batch 256.
@@ -11,12 +12,12 @@
 csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
 extension builder into a cache keyed by the sources, flags and CPU (~8-25 s the first
 time). Where they cannot be built, `load_cpu_ops()` returns None and callers keep their
-tensor-op paths. Set DECODEGRAPH_NATIVE_KERNELS=0 to disable them. The decode kernel
-has an AVX-512 path at block size 16; DECODEGRAPH_CPU_NO_AVX512=1 forces its portable
+tensor-op paths. Set DECODEGRAPH_NATIVE_KERNELS=0 to disable them. The attention
+kernel has an AVX-512 path at block size 16; DECODEGRAPH_CPU_NO_AVX512=1 forces its portable
 loops (the tests use it to check both).
 
 Graph traces see the norm operators as the aten ops they stand for (`decompositions()`),
-so Inductor fuses them with their neighbours; the decode operator stays opaque.
+so Inductor fuses them with their neighbours; the attention operator stays opaque.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "cpu_ops.cpp", _CSRC / "paged_decode.c", _CSRC / "rms_norm.c")
+_SOURCES = (_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.c", _CSRC / "rms_norm.c")
 # -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
 # with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
 _FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
@@ -53,9 +54,9 @@ def _cache_dir() -> Path:
 
 
 def _register_fakes() -> None:
-    @torch.library.register_fake("decodegraph_cpu::paged_decode")
-    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-          num_reqs, scale, workspace):  # noqa: ANN001, ANN202
+    @torch.library.register_fake("decodegraph_cpu::paged_attention")
+    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
+          seq_lens, num_reqs, scale, workspace):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("decodegraph_cpu::rms_norm")

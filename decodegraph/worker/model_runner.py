@@ -189,18 +189,21 @@ class ModelRunner:
     def _capture_one(self, mode: RuntimeMode, key: BatchDescriptor) -> None:
         n = key.num_tokens
         b = self.buffers
-        # Dummy lengths of 1 (every row reads the null block) with workspaces sized
-        # for max_model_len at allocation; K/V of the capture run go to the null block.
+        # Dummy requests of one token at length 1 (every row reads the null block) with
+        # workspaces sized for max_model_len at allocation; K/V of the capture run go to
+        # the null block. A mixed key's one dummy request leaves its other rows as padding.
         reqs = n if key.uniform else 1
         b.slot_mapping.np[:n] = 0
         b.seq_lens.np[:reqs] = 1
-        b.query_start_loc.np[: reqs + 1] = np.arange(reqs + 1) if key.uniform else [0, n]
-        b.copy_to_device(n, reqs)
-        b.num_reqs_np[0] = reqs
-        # Mixed-batch graphs serve any number of requests: their views span the buffers.
+        # Mixed-batch graphs serve any number of requests: their views span the buffers
+        # (rows past the requests end at the last real token, as in _prepare).
         views = reqs if key.uniform else self.max_num_reqs
-        md = self._metadata(reqs, n, n // reqs, 1, key.uniform, None, [1] * reqs, views, n)
-        md.query_start_loc_cpu = b.query_start_loc.np[: reqs + 1].tolist()
+        b.query_start_loc.np[: reqs + 1] = np.arange(reqs + 1)
+        b.query_start_loc.np[reqs + 1 : views + 1] = reqs
+        b.copy_to_device(n, views)
+        b.num_reqs_np[0] = reqs
+        md = self._metadata(reqs, reqs, 1, 1, key.uniform, None, [1] * reqs, views, n)
+        md.query_start_loc_cpu = list(range(reqs + 1))
         if mode is RuntimeMode.FULL:
             slot = self.attn_backend.new_graph_slot(md)
             self._graph_slots[key] = slot
@@ -210,7 +213,8 @@ class ModelRunner:
             self.attn_backend.set_eager_metadata(md)
             fn = self._hidden_fn
         inputs = self._graph_input_list(key)
-        with set_forward_context(ForwardContext(self.attn_backend, slot)):
+        split = mode is RuntimeMode.PIECEWISE
+        with set_forward_context(ForwardContext(self.attn_backend, slot, split)):
             self.graphs.capture(mode, key, fn, inputs)
         b.slot_mapping.np[:n] = -1
         b.seq_lens.np[:reqs] = 0
@@ -281,6 +285,7 @@ class ModelRunner:
                 b.slot_mapping.gpu[:padded_tokens],
                 b.seq_lens.cpu[:padded_reqs],
                 b.num_reqs_host,
+                b.query_start_loc.cpu[: padded_reqs + 1],
             )
             self._views[(padded_reqs, padded_tokens)] = views
         return AttentionMetadata(

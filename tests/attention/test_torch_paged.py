@@ -50,20 +50,20 @@ class TorchOpsAttentionBackend(CPUAttentionBackend):
     use_native_kernel = False
 
 
-def require_decode_op() -> None:
+def require_native_op() -> None:
     """Skip where no C++ compiler exists; where one does, a failed build is a failure."""
     if load_cpu_ops() is not None:
         return
     if shutil.which("c++") or shutil.which("g++"):
-        pytest.fail("a C++ compiler is here but the C decode kernel did not build")
-    pytest.skip("the C decode kernel cannot be built here (no C++ compiler)")
+        pytest.fail("a C++ compiler is here but the native attention operator did not build")
+    pytest.skip("the native attention operator cannot be built here (no C++ compiler)")
 
 
 @pytest.fixture(params=["native", "torch-ops"])
 def kernel(request: pytest.FixtureRequest) -> str:
     """Decode runs in the C kernel (when it builds here) or in tensor ops: test both."""
     if request.param == "native":
-        require_decode_op()
+        require_native_op()
     return request.param
 
 
@@ -228,6 +228,16 @@ def test_decode_at_the_default_block_size(kernel: str, head_size: int, lengths: 
     check(case, run(case))
 
 
+@pytest.mark.parametrize("num_heads, head_size", [(16, 64), (12, 128)], ids=str)
+def test_a_large_query_group_at_the_default_block_size(
+    kernel: str, num_heads: int, head_size: int
+) -> None:
+    """One KV head for many query heads (the native operator splits such a group)."""
+    backend = make_backend(kernel, num_heads, 1, head_size, block_size=16, max_model_len=64)
+    case = make_case(backend, [(40, 1), (0, 9), (17, 1)])
+    check(case, run(case))
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads", GQA, ids=lambda x: str(x))
 @pytest.mark.parametrize("lengths", [[1], [13], [32], [1, 5, 13, 9], [32, 2, 17], [4, 4]])
 def test_decode_batch_with_different_lengths(
@@ -241,6 +251,15 @@ def test_decode_batch_with_different_lengths(
 def test_mixed_batch_of_decodes_chunks_and_prefills(kernel: str) -> None:
     case = make_case(make_backend(kernel), [(6, 1), (0, 5), (3, 4), (10, 1), (0, 1)])
     assert not case.metadata.uniform_decode
+    check(case, run(case))
+
+
+@pytest.mark.parametrize("head_size", [8, 64])
+def test_mixed_batch_at_the_default_block_size(kernel: str, head_size: int) -> None:
+    """Block size 16 (the native operator's vector path): prompts and chunks that start,
+    end and cross block boundaries beside decodes."""
+    backend = make_backend(kernel, 8, 2, head_size, block_size=16, max_model_len=128)
+    case = make_case(backend, [(0, 37), (16, 16), (90, 1), (21, 30)])
     check(case, run(case))
 
 
@@ -355,7 +374,8 @@ def test_backends_declare_their_graph_support() -> None:
     )
 
 
-_OVERSIZED_DECODE = """
+_BAD_METADATA = """
+import sys
 import torch
 from decodegraph.attention.backends.base import AttentionMetadata
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
@@ -363,46 +383,51 @@ b = CPUAttentionBackend(4, 2, 8, 0.35, 4, 32)
 shape = b.get_kv_cache_shape(40, 4, 2, 8)
 b.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape))])
 b.allocate_workspace(64, torch.float32, torch.device("cpu"))
-n = 64  # the metadata claims 64 requests; the tensors hold 2 rows
+if sys.argv[1] == "oversized":  # the metadata claims 64 requests; the tensors hold 2 rows
+    n, qsl, lens, slot = 64, list(range(65)), [32] * 64, 10**9
+else:  # one request of 5 new tokens whose context holds only 3 positions
+    n, qsl, lens, slot = 1, [0, 5], [3], 1
 md = AttentionMetadata(
-    num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=32, uniform_decode=True,
-    query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=[32] * n,
-    query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-    seq_lens=torch.full((n,), 32, dtype=torch.int32),
+    num_reqs=n, num_actual_tokens=qsl[-1], max_query_len=qsl[1], max_seq_len=32,
+    uniform_decode=qsl[-1] == n, query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+    query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+    seq_lens=torch.tensor(lens, dtype=torch.int32),
     block_tables=torch.full((n, 8), 39, dtype=torch.int32),
-    slot_mapping=torch.full((n,), 10**9, dtype=torch.int64),
+    slot_mapping=torch.full((max(n, qsl[-1]),), slot, dtype=torch.int64),
 )
 b.set_eager_metadata(md)
+rows = min(2, qsl[-1]) if n > 1 else qsl[-1]
 try:
-    b.forward(torch.randn(2, 32), torch.randn(2, 16), torch.randn(2, 16), 0, 0)
+    b.forward(torch.randn(rows, 32), torch.randn(rows, 16), torch.randn(rows, 16), 0, 0)
 except (ValueError, RuntimeError, IndexError, AssertionError) as e:
     print("refused:", e)
 """
 
 
-def test_the_c_decode_kernel_refuses_metadata_larger_than_its_tensors() -> None:
-    require_decode_op()
+@pytest.mark.parametrize("bad", ["oversized", "query-longer-than-context"])
+def test_the_native_operator_refuses_metadata_outside_its_tensors(bad: str) -> None:
+    require_native_op()
     # In a child process: an unchecked kernel call may crash the interpreter.
     proc = subprocess.run(
-        [sys.executable, "-c", _OVERSIZED_DECODE], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _BAD_METADATA, bad], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, f"the kernel crashed (signal {-proc.returncode})"
-    assert "refused:" in proc.stdout
+    assert "refused:" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_loading_the_native_operator_keeps_ieee_subnormals() -> None:
     # A library linked with -ffast-math would switch the process to flush-to-zero.
-    require_decode_op()
+    require_native_op()
     assert sys.float_info.min / 4 > 0.0
 
 
 def test_the_portable_c_path_matches_too() -> None:
     """Where AVX-512 is present the native decode runs intrinsics; the portable C loops
     beside them (other CPUs, other block sizes) must agree with the reference as well."""
-    require_decode_op()
+    require_native_op()
     env = dict(os.environ, DECODEGRAPH_CPU_NO_AVX512="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "native and decode and not portable"]
+    cmd += ["-k", "native and not portable and not subnormals"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout
@@ -424,3 +449,15 @@ def test_bfloat16_decode_matches_the_reference(kernel: str, block_size: int) -> 
     k_tokens, _ = token_slots(backend, 0)
     slots = torch.tensor(case.slots)
     assert torch.equal(k_tokens[slots], case.key[:n].view(n, 2, 16))  # stored bit for bit
+
+
+def test_bfloat16_mixed_batch_matches_the_reference(kernel: str) -> None:
+    backend = make_backend(kernel, 8, 2, 16, block_size=16, max_model_len=64)
+    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
+    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
+    case = make_case(backend, [(0, 20), (30, 1), (5, 12)])
+    for name in ("query", "key", "value"):
+        setattr(case, name, getattr(case, name).bfloat16())
+    out = run(case)
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)

@@ -41,12 +41,16 @@ class AttentionMetadata:
     seq_lens_host: torch.Tensor | None = None
     # num_reqs as a one-element int32 CPU tensor, for operators that read it at run time.
     num_reqs_host: torch.Tensor | None = None
+    # Host copy of query_start_loc (int32, on CPU), a graph slot's own like seq_lens_host.
+    query_start_loc_host: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.seq_lens_host is None:
             self.seq_lens_host = self.seq_lens.to("cpu", torch.int32)
         if self.num_reqs_host is None:
             self.num_reqs_host = torch.tensor([self.num_reqs], dtype=torch.int32)
+        if self.query_start_loc_host is None:
+            self.query_start_loc_host = self.query_start_loc.to("cpu", torch.int32)
 
     # Host fields, the ones `update_graph_params` copies into a graph's slot.
     HOST_FIELDS: ClassVar[tuple[str, ...]] = (
@@ -115,6 +119,7 @@ class AttentionBackend:
         # A graph's own host tensors: their values are baked until the next update.
         metadata.seq_lens_host = metadata.seq_lens_host.clone()
         metadata.num_reqs_host = metadata.num_reqs_host.clone()
+        metadata.query_start_loc_host = metadata.query_start_loc_host.clone()
         self.slots.append(metadata)
         return len(self.slots) - 1
 
@@ -130,6 +135,7 @@ class AttentionBackend:
             setattr(target, name, getattr(metadata, name))
         n = metadata.num_reqs
         target.seq_lens_host[:n].copy_(metadata.seq_lens_host[:n])
+        target.query_start_loc_host[: n + 1].copy_(metadata.query_start_loc_host[: n + 1])
         target.num_reqs_host.copy_(metadata.num_reqs_host)
 
     def graph_tensors(self, slot: int) -> list[torch.Tensor]:
@@ -139,12 +145,13 @@ class AttentionBackend:
         freezing does), and these change every step."""
         md = self.slots[slot]
         caches = [t for pair in self.kv_caches for t in pair]
-        return caches + [md.slot_mapping, md.block_tables, md.seq_lens_host, md.num_reqs_host]
+        host = [md.seq_lens_host, md.num_reqs_host, md.query_start_loc_host]
+        return caches + [md.slot_mapping, md.block_tables, *host]
 
-    def decode_op_args(self, layer_idx: int, slot: int) -> tuple | None:
+    def native_op_args(self, layer_idx: int, slot: int) -> tuple | None:
         """(operator, its arguments after q, k, v) when this step's attention is one
         native operator that the layer may call directly instead of unified_attention
-        (a cheaper dispatch at batch 1); None otherwise."""
+        (a cheaper dispatch, and no Python inside a compiled graph); None otherwise."""
         return None
 
     def allocate_workspace(

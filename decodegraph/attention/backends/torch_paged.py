@@ -8,9 +8,10 @@ block table into a workspace allocated once (sized for max_model_len), and call
   slot. On CPU the attention runs its own code at every replay, so a graph replays
   correctly as long as `update_graph_params` refreshed the slot: its cost follows the
   batch's real lengths, not max_model_len, and mixed batches work inside a graph
-  (support ALWAYS). Uniform decode of float32 and bfloat16 caches is one native operator
-  per layer (`decodegraph_cpu::paged_decode`, see decodegraph/native) that reads the
-  slot's host tensors.
+  (support ALWAYS). With float32 and bfloat16 caches every batch is one native operator
+  per layer (`decodegraph_cpu::paged_attention`, see decodegraph/native) that reads the
+  slot's host tensors; float16 caches, or a machine where the operators cannot be built,
+  take the tensor-op path below.
 - `CUDATorchAttentionBackend`: inside a CUDA graph no Python runs at replay, so the
   captured decode path may only read device tensors: it gathers max_model_len worth of
   blocks and masks by `seq_lens`. Only uniform single-token decode is graph-safe.
@@ -33,8 +34,7 @@ class CPUAttentionBackend(AttentionBackend):
 
     name: ClassVar[str] = "CPU_TORCH"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
-    # Uniform decode of float32/bfloat16 caches runs in the native operator;
-    # subclasses on devices opt out.
+    # float32/bfloat16 caches run in the native operator; subclasses on devices opt out.
     use_native_kernel: ClassVar[bool] = True
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -46,7 +46,7 @@ class CPUAttentionBackend(AttentionBackend):
         # by (block, offset) and gathers of whole blocks.
         self._token_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         ops = load_cpu_ops() if self.use_native_kernel else None
-        self._decode_op = ops.paged_decode.default if ops is not None else None
+        self._native_op = ops.paged_attention.default if ops is not None else None
         self._scores: torch.Tensor | None = None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -65,9 +65,11 @@ class CPUAttentionBackend(AttentionBackend):
         self._positions = torch.arange(
             self.max_blocks_per_seq * self.block_size, device=k_cache.device
         )
-        # The native operator's: one context's scores, then (head_size + 1) * block_size
-        # accumulators.
-        self._scores = torch.empty((self.max_blocks_per_seq + self.head_size + 1) * self.block_size)
+        # The native operator's: one context's scores per query head of a KV head's
+        # group, then (head_size + 1) * block_size accumulators.
+        group = self.num_heads // self.num_kv_heads
+        positions = group * self.max_blocks_per_seq + self.head_size + 1
+        self._scores = torch.empty(positions * self.block_size)
 
     def forward(
         self,
@@ -81,7 +83,7 @@ class CPUAttentionBackend(AttentionBackend):
         n = md.num_actual_tokens
         if n == 0:  # the profiling run: no requests, nothing to attend or write
             return torch.zeros_like(query)
-        direct = self.decode_op_args(layer_idx, slot)
+        direct = self.native_op_args(layer_idx, slot)
         if direct is not None:
             op, args = direct
             return op(query, key, value, *args)
@@ -103,9 +105,9 @@ class CPUAttentionBackend(AttentionBackend):
     def graph_tensors(self, slot: int) -> list[torch.Tensor]:
         return [*super().graph_tensors(slot), self._scores]
 
-    def decode_op_args(self, layer_idx: int, slot: int) -> tuple | None:
+    def native_op_args(self, layer_idx: int, slot: int) -> tuple | None:
         md = self.slots[slot]
-        if self._decode_op is None or not md.uniform_decode or md.num_actual_tokens == 0:
+        if self._native_op is None or md.num_actual_tokens == 0:
             return None
         k_cache, v_cache = self.kv_caches[layer_idx]
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
@@ -115,12 +117,13 @@ class CPUAttentionBackend(AttentionBackend):
             v_cache,
             md.slot_mapping,
             md.block_tables,
+            md.query_start_loc_host,
             md.seq_lens_host,
             md.num_reqs_host,
             self.scale,
             self._scores,
         )
-        return self._decode_op, args
+        return self._native_op, args
 
     def _write(
         self, layer_idx: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor

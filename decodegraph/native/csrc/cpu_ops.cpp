@@ -1,12 +1,12 @@
 // decodegraph_cpu: the C kernels of this directory as torch operators.
 //
-// paged_decode: registered in C++ so that a compiled CPU graph calls it without entering
-// Python: at batch 1 the Python-level attention op cost more than the attention itself.
-// Host parameters (num_reqs and the sequence lengths) arrive as small CPU tensors that
-// belong to a graph's params slot; update_graph_params rewrites them before a replay.
-// The KV caches are written in place but declared as plain inputs: no other operator
-// reads them, and declaring the mutation would make a compiler functionalise the op
-// and copy whole caches every step (DESIGN.md, section 6).
+// paged_attention: registered in C++ so that a compiled CPU graph calls it without
+// entering Python: at batch 1 the Python-level attention op cost more than the attention
+// itself. Host parameters (num_reqs, query_start_loc and the sequence lengths) arrive as
+// small CPU tensors that belong to a graph's params slot; update_graph_params rewrites
+// them before a replay. The KV caches are written in place but declared as plain
+// inputs: no other operator reads them, and declaring the mutation would make a
+// compiler functionalise the op and copy whole caches every step (DESIGN.md, section 6).
 //
 // rms_norm, fused_add_rms_norm: vLLM's names and semantics (out of place here).
 #include <ATen/core/Tensor.h>
@@ -14,57 +14,68 @@
 #include <torch/library.h>
 
 extern "C" {
-#include "paged_decode.c"
+#include "paged_attention.c"
 #include "rms_norm.c"
 }
 
 namespace {
 
-at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                        const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
-                        double scale, const at::Tensor& workspace) {
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
+                           double scale, const at::Tensor& workspace) {
     const auto dtype = k_cache.scalar_type();
     TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
                     query.scalar_type() == dtype && key.scalar_type() == dtype &&
                     value.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-                "paged_decode: query, key, value and caches all float32 or all bfloat16");
+                "paged_attention: query, key, value and caches all float32 or all bfloat16");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && block_tables.scalar_type() == at::kInt &&
+                    query_start_loc.scalar_type() == at::kInt &&
                     seq_lens.scalar_type() == at::kInt && num_reqs_host.scalar_type() == at::kInt,
-                "paged_decode: slot_mapping int64, block_tables/seq_lens/num_reqs int32");
+                "paged_attention: slot_mapping int64, block_tables/query_start_loc/seq_lens/"
+                "num_reqs int32");
     TORCH_CHECK(query.stride(-1) == 1 && key.stride(-1) == 1 && value.stride(-1) == 1,
-                "paged_decode: q/k/v rows must be contiguous");
+                "paged_attention: q/k/v rows must be contiguous");
+    TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                    slot_mapping.is_contiguous() && block_tables.stride(1) == 1,
+                "paged_attention: metadata tensors must be contiguous");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                     v_cache.sizes() == k_cache.sizes(),
-                "paged_decode: caches must be contiguous [blocks, kv_heads, head_size, block_size]");
+                "paged_attention: caches must be contiguous [blocks, kv_heads, head_size, "
+                "block_size]");
     const int64_t num_reqs = num_reqs_host.data_ptr<int32_t>()[0];
     const int64_t rows = query.size(0);
-    TORCH_CHECK(num_reqs >= 0 && num_reqs <= rows && num_reqs <= slot_mapping.size(0) &&
+    TORCH_CHECK(num_reqs >= 0 && num_reqs < query_start_loc.numel() &&
                     num_reqs <= block_tables.size(0) && num_reqs <= seq_lens.size(0),
-                "paged_decode: ", num_reqs, " requests exceed the batch's tensors");
+                "paged_attention: ", num_reqs, " requests exceed the batch's tensors");
+    TORCH_CHECK(key.size(0) == rows && value.size(0) == rows && slot_mapping.size(0) >= rows,
+                "paged_attention: query, key and value rows differ, or fewer slots than rows");
     const int64_t num_kv_heads = k_cache.size(1), head_size = k_cache.size(2);
     const int64_t block_size = k_cache.size(3);
     const int64_t num_heads = query.size(1) / head_size;
-    TORCH_CHECK(key.size(-1) == num_kv_heads * head_size && value.size(-1) == key.size(-1) &&
-                    key.size(0) >= num_reqs && value.size(0) >= num_reqs,
-                "paged_decode: key/value rows must hold kv_heads * head_size values");
-    // The workspace holds the scores of one context, then (head_size + 1) * block_size
-    // accumulators.
-    const int64_t max_len = workspace.numel() - (head_size + 1) * block_size;
+    TORCH_CHECK(key.size(-1) == num_kv_heads * head_size && value.size(-1) == key.size(-1),
+                "paged_attention: key/value rows must hold kv_heads * head_size values");
+    // The workspace holds one context's scores per query head of a KV head's group, then
+    // (head_size + 1) * block_size accumulators.
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads not a multiple of kv heads");
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t max_len = (workspace.numel() - (head_size + 1) * block_size) / group;
     TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() && max_len > 0,
-                "paged_decode: workspace too small");
+                "paged_attention: workspace too small");
     auto out = at::empty({rows, query.size(1)}, query.options());
-    const int status = paged_decode_layer(
+    const int status = paged_attention_layer(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
-        block_tables.stride(0), seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0),
-        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, block_size,
+        block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
+        seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0), key.stride(0),
+        value.stride(0), num_heads, num_kv_heads, head_size, block_size,
         static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
         block_tables.size(1), max_len, dtype == at::kBFloat16);
-    TORCH_CHECK(status != 3, "paged_decode: bfloat16 head size above 512");
-    TORCH_CHECK(status == 0, "paged_decode: a slot, block id or sequence length is outside "
-                "the KV cache, the block table or the workspace");
+    TORCH_CHECK(status != 3, "paged_attention: bfloat16 head size above 512");
+    TORCH_CHECK(status == 0, "paged_attention: a slot, block id, sequence length or query range "
+                "is outside the KV cache, the block table, the rows or the workspace");
     return out;
 }
 
@@ -104,13 +115,13 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");
-    m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, "
-          "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor num_reqs, "
-          "float scale, Tensor workspace) -> Tensor");
+    m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
+          "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
+          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
-    m.impl("paged_decode", &paged_decode);
+    m.impl("paged_attention", &paged_attention);
     m.impl("rms_norm", &rms_norm);
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
 }

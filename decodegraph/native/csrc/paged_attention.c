@@ -1,11 +1,13 @@
 /*
- * Paged attention for a uniform decode batch (one new token per request), float32 or
+ * Paged attention for any batch (decodes, prefills, prefill chunks, mixed), float32 or
  * bfloat16 (portable loops there; float32 arithmetic in both).
  *
- * Writes each request's new K/V into its cache slot (slot -1: a padded row, skipped),
- * then attends over the request's context through its block table. One call does a
- * whole layer (wrapped as a torch operator in cpu_ops.cpp), so a decode step
- * pays one operator call per layer instead of a dozen tensor ops.
+ * Writes every new token's K/V into its cache slot (slot -1: a padded row, skipped),
+ * then attends each token over its request's context through the block table: token
+ * i of a request with q_len new tokens and seq_len positions sees the first
+ * seq_len - q_len + i + 1 (causal, with the cached context before it). One call does a
+ * whole layer (wrapped as a torch operator in cpu_ops.cpp), so a step pays one
+ * operator call per layer instead of a dozen tensor ops, or one attention per request.
  *
  * Caches: [num_blocks, num_kv_heads, head_size, block_size], contiguous: within a block,
  *         one head's values of one dimension lie side by side for block_size positions,
@@ -13,11 +15,14 @@
  *         and the softmax weights scale V without a horizontal sum per position.
  * q/k/v:  rows of `q_stride` / `k_stride` / `v_stride` values; head h of row r at
  *         r * stride + h * d.
- * out:    [num_rows, num_heads * head_size]; rows past num_reqs are zeroed.
- * work:   float32: `max_len` scores, then (head_size + 1) * block_size accumulators;
- *         allocated once by the caller (an op never allocates inside a graph).
- * Returns 0, or non-zero (and touches nothing) when a slot, block id or length is
- * outside the caches, the block table or the workspace.
+ * query_start_loc: request r's tokens are rows [qsl[r], qsl[r + 1]); rows from
+ *         qsl[num_reqs] on are padding: zeroed in out, nothing written.
+ * out:    [num_rows, num_heads * head_size].
+ * work:   float32: `max_len` scores for each query head of a KV head's group, then
+ *         (head_size + 1) * block_size accumulators; allocated once by the caller (an
+ *         op never allocates inside a graph).
+ * Returns 0, or non-zero (and touches nothing) when a slot, block id, length or query
+ * range is outside the caches, the block table, the rows or the workspace.
  */
 #include <float.h>
 #include <math.h>
@@ -195,60 +200,100 @@ AVX512 __m512 exp16(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* attend_head for block size 16 in AVX-512: a block row is one register, the running
- * maximum and weight sums stay vertical until the end, and at a constant `d` up to 16
- * the accumulators live in registers. Lanes past the context are masked: loaded as 0,
- * scored as -FLT_MAX, weighted 0. */
-AVX512 void attend_head16(const float *qh, const float *k_cache, const float *v_cache,
-                          const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
-                          const int64_t d, float scale, float *__restrict__ sc, float *o)
+/* Attention for block size 16 in AVX-512, for the G query heads that share one KV head
+ * (grouped-query attention): each K and V row is loaded once for all of them. A block
+ * row is one register, the running maxima and weight sums stay vertical until the end,
+ * and at constant `d` and `G` with G * d up to ~24 the accumulators live in registers.
+ * Lanes past the context are masked: loaded as 0, scored as -FLT_MAX, weighted 0. The
+ * scores of head j go to sc + j * sc_stride. */
+enum { MAX_GROUP_ACC = 512, MAX_GROUP = 64 };
+
+AVX512 void attend_group16(const float *q, const float *k_cache, const float *v_cache,
+                           const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
+                           const int64_t d, const int64_t G, float scale, float *__restrict__ sc,
+                           int64_t sc_stride, float *o)
 {
-    enum { MAX_D = 512 };
-    __m512 acc[MAX_D];
-    __m512 mv = _mm512_set1_ps(-FLT_MAX), lv = _mm512_setzero_ps();
+    __m512 acc[MAX_GROUP_ACC], mv[MAX_GROUP], lv[MAX_GROUP], s[MAX_GROUP];
+    for (int64_t j = 0; j < G; j++) {
+        mv[j] = _mm512_set1_ps(-FLT_MAX);
+        lv[j] = _mm512_setzero_ps();
+    }
     for (int64_t p0 = 0; p0 < len; p0 += 16) {
         const float *kt = k_cache + (int64_t)bt[p0 / 16] * tile_stride + tile_off;
         const __mmask16 live = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
-        __m512 s = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i++)
-            s = _mm512_fmadd_ps(_mm512_set1_ps(qh[i]), _mm512_maskz_loadu_ps(live, kt + i * 16), s);
-        s = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), live, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
-        _mm512_storeu_ps(sc + p0, s);
-        mv = _mm512_max_ps(mv, s);
+        for (int64_t j = 0; j < G; j++)
+            s[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i++) {
+            const __m512 k_row = _mm512_maskz_loadu_ps(live, kt + i * 16);
+            for (int64_t j = 0; j < G; j++)
+                s[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i]), k_row, s[j]);
+        }
+        for (int64_t j = 0; j < G; j++) {
+            const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), live,
+                                                _mm512_mul_ps(s[j], _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(sc + j * sc_stride + p0, x);
+            mv[j] = _mm512_max_ps(mv[j], x);
+        }
     }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    for (int64_t i = 0; i < d; i++)
+    for (int64_t j = 0; j < G; j++)
+        mv[j] = _mm512_set1_ps(_mm512_reduce_max_ps(mv[j]));
+    for (int64_t i = 0; i < G * d; i++)
         acc[i] = _mm512_setzero_ps();
     for (int64_t p0 = 0; p0 < len; p0 += 16) {
         const float *vt = v_cache + (int64_t)bt[p0 / 16] * tile_stride + tile_off;
         const __mmask16 live = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
-        const __m512 w = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + p0), m)));
-        lv = _mm512_add_ps(lv, w);
-        for (int64_t i = 0; i < d; i++)
-            acc[i] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(live, vt + i * 16), acc[i]);
+        for (int64_t j = 0; j < G; j++) {
+            const __m512 x = _mm512_loadu_ps(sc + j * sc_stride + p0);
+            s[j] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, mv[j])));
+            lv[j] = _mm512_add_ps(lv[j], s[j]);
+        }
+        for (int64_t i = 0; i < d; i++) {
+            const __m512 v_row = _mm512_maskz_loadu_ps(live, vt + i * 16);
+            for (int64_t j = 0; j < G; j++)
+                acc[j * d + i] = _mm512_fmadd_ps(s[j], v_row, acc[j * d + i]);
+        }
     }
-    const float inv = 1.f / _mm512_reduce_add_ps(lv);
-    for (int64_t i = 0; i < d; i++)
-        o[i] = _mm512_reduce_add_ps(acc[i]) * inv;
+    for (int64_t j = 0; j < G; j++) {
+        const float inv = 1.f / _mm512_reduce_add_ps(lv[j]);
+        for (int64_t i = 0; i < d; i++)
+            o[j * d + i] = _mm512_reduce_add_ps(acc[j * d + i]) * inv;
+    }
 }
 
+/* One token's row at block size 16: each KV head with its query heads, in groups of at
+ * most MAX_GROUP_ACC / d heads (all of them, for every model we know). Common shapes get
+ * constant d and G. */
 __attribute__((target("avx512f"))) static void attend_request16(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *bt, int64_t len,
     int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, float scale, float *sc,
-    float *o_row)
+    int64_t sc_stride, float *o_row)
 {
-    const int64_t tile = d * 16;
-    for (int64_t h = 0; h < num_heads; h++) {
+    const int64_t tile = d * 16, max_g = MAX_GROUP_ACC / d < MAX_GROUP ? MAX_GROUP_ACC / d
+                                                                        : MAX_GROUP;
+    for (int64_t h = 0; h < num_heads; h += g) {
         const int64_t off = (h / g) * tile;
-        if (d == 8)
-            attend_head16(q + h * d, k_cache, v_cache, bt, len, tile_stride, off, 8, scale, sc,
-                          o_row + h * d);
-        else if (d == 16)
-            attend_head16(q + h * d, k_cache, v_cache, bt, len, tile_stride, off, 16, scale, sc,
-                          o_row + h * d);
-        else
-            attend_head16(q + h * d, k_cache, v_cache, bt, len, tile_stride, off, d, scale, sc,
-                          o_row + h * d);
+        for (int64_t h0 = h; h0 < h + g; h0 += max_g) {
+            const int64_t G = h + g - h0 < max_g ? h + g - h0 : max_g;
+            const float *qg = q + h0 * d;
+            float *og = o_row + h0 * d;
+#define GROUP(D, NG)                                                                          \
+    attend_group16(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, scale, sc, sc_stride, og)
+            if (d == 8 && G == 1)
+                GROUP(8, 1);
+            else if (d == 8 && G == 2)
+                GROUP(8, 2);
+            else if (d == 8 && G == 4)
+                GROUP(8, 4);
+            else if (d == 16 && G == 1)
+                GROUP(16, 1);
+            else if (d == 16 && G == 2)
+                GROUP(16, 2);
+            else if (d == 64 && G == 1)
+                GROUP(64, 1);
+            else
+                GROUP(d, G);
+#undef GROUP
+        }
     }
 }
 
@@ -265,16 +310,21 @@ static int use_avx512(void)
 static int use_avx512(void) { return 0; }
 #endif
 
-/* Refuse metadata that would read or write outside the caches, the block table or the
- * workspace (checked before anything is written). */
+/* Refuse metadata that would read or write outside the caches, the block table, the
+ * rows or the workspace (checked before anything is written). Query ranges must be
+ * ordered, within num_rows, and no longer than their request's context. */
 static int check_metadata(const int64_t *slot_mapping, const int32_t *block_tables,
-                          int64_t bt_stride, const int32_t *seq_lens, int64_t num_reqs,
-                          int64_t bs, int64_t num_blocks, int64_t bt_cols, int64_t max_len)
+                          int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                          int64_t num_reqs, int64_t num_rows, int64_t bs, int64_t num_blocks,
+                          int64_t bt_cols, int64_t max_len)
 {
+    if (qsl[0] != 0)
+        return 1;
     for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t s = slot_mapping[r], len = seq_lens[r];
+        const int64_t len = seq_lens[r], q_len = (int64_t)qsl[r + 1] - qsl[r];
         const int64_t padded_len = (len + bs - 1) / bs * bs;
-        if (s >= num_blocks * bs || padded_len > max_len || len > bt_cols * bs)
+        if (q_len < 0 || q_len > len || qsl[r + 1] > num_rows || padded_len > max_len ||
+            len > bt_cols * bs)
             return 1;
         for (int64_t b = 0; b * bs < len; b++) {
             const int32_t id = block_tables[r * bt_stride + b];
@@ -282,97 +332,113 @@ static int check_metadata(const int64_t *slot_mapping, const int32_t *block_tabl
                 return 2;
         }
     }
+    for (int64_t t = 0; t < qsl[num_reqs]; t++)
+        if (slot_mapping[t] >= num_blocks * bs)
+            return 1;
     return 0;
 }
 
-/* Copy each request's new K/V row into its cache slot: element c = head * d + dim of the
+/* Copy each new token's K/V row into its cache slot: element c = head * d + dim of the
  * row goes to tile c / d, row c % d, lane slot % block_size. `elem` bytes per value. */
 static void write_new_kv(char *k_cache, char *v_cache, const char *k, const char *v,
-                         const int64_t *slot_mapping, int64_t num_reqs, int64_t k_stride,
+                         const int64_t *slot_mapping, int64_t num_tokens, int64_t k_stride,
                          int64_t v_stride, int64_t row, int64_t bs, int64_t tile_stride,
                          size_t elem)
 {
-    for (int64_t r = 0; r < num_reqs; r++) {
-        const int64_t s = slot_mapping[r];
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t s = slot_mapping[t];
         if (s < 0)
             continue; /* a padded row */
         const int64_t at = (s / bs) * tile_stride + s % bs;
         for (int64_t c = 0; c < row; c++) {
-            memcpy(k_cache + (at + c * bs) * elem, k + (r * k_stride + c) * elem, elem);
-            memcpy(v_cache + (at + c * bs) * elem, v + (r * v_stride + c) * elem, elem);
+            memcpy(k_cache + (at + c * bs) * elem, k + (t * k_stride + c) * elem, elem);
+            memcpy(v_cache + (at + c * bs) * elem, v + (t * v_stride + c) * elem, elem);
         }
     }
 }
 
 enum { BF16_MAX_HEAD = 512 };
 
-/* The layer's decode step (see the top of this file); all tensors float32, or all
+/* One token's row: all heads over the first `len` positions of block table `bt`. */
+static void attend_row(const void *q_row, void *o_row, const void *k_cache,
+                       const void *v_cache, const int32_t *bt, int64_t len, int64_t num_heads,
+                       int64_t g, int64_t d, int64_t bs, int64_t tile_stride, float scale,
+                       float *sc, int64_t sc_stride, float *acc, int avx512, int bf16)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (avx512) {
+        attend_request16((const float *)q_row, (const float *)k_cache, (const float *)v_cache,
+                         bt, len, tile_stride, num_heads, g, d, scale, sc, sc_stride,
+                         (float *)o_row);
+        return;
+    }
+#endif
+    const int64_t tile = d * bs;
+    float qf[BF16_MAX_HEAD], of[BF16_MAX_HEAD];
+    for (int64_t h = 0; h < num_heads; h++) {
+        const int64_t off = (h / g) * tile;
+        if (bf16) {
+            const uint16_t *qh = (const uint16_t *)q_row + h * d;
+            for (int64_t i = 0; i < d; i++)
+                qf[i] = bf16_to_f32(qh[i]);
+            const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
+            if (bs == 16)
+                attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc, acc,
+                                 of);
+            else
+                attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc, acc,
+                                 of);
+            for (int64_t i = 0; i < d; i++)
+                ((uint16_t *)o_row)[h * d + i] = f32_to_bf16(of[i]);
+            continue;
+        }
+        const float *qh = (const float *)q_row + h * d;
+        const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
+        float *o = (float *)o_row + h * d;
+        if (bs == 16)
+            attend_head(qh, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc, acc, o);
+        else
+            attend_head(qh, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc, acc, o);
+    }
+}
+
+/* The layer's attention step (see the top of this file); all tensors float32, or all
  * bfloat16 when `bf16` (portable loops there, head_size at most BF16_MAX_HEAD, else 3). */
-int paged_decode_layer(const void *q, const void *k, const void *v, void *out, void *k_cache,
-                       void *v_cache, const int64_t *slot_mapping, const int32_t *block_tables,
-                       int64_t bt_stride, const int32_t *seq_lens, int64_t num_reqs,
-                       int64_t num_rows, int64_t q_stride, int64_t k_stride, int64_t v_stride,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                       int64_t block_size, float scale, float *work, int64_t num_blocks,
-                       int64_t bt_cols, int64_t max_len, int bf16)
+int paged_attention_layer(const void *q, const void *k, const void *v, void *out,
+                          void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                          const int32_t *block_tables, int64_t bt_stride,
+                          const int32_t *query_start_loc, const int32_t *seq_lens,
+                          int64_t num_reqs, int64_t num_rows, int64_t q_stride,
+                          int64_t k_stride, int64_t v_stride, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+                          float scale, float *work, int64_t num_blocks, int64_t bt_cols,
+                          int64_t max_len, int bf16)
 {
     const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
-    const int64_t bs = block_size, tile = d * bs, tile_stride = kvh * tile;
+    const int64_t bs = block_size, tile_stride = kvh * d * bs;
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t row_bytes = (size_t)(num_heads * d) * elem;
     if (bf16 && d > BF16_MAX_HEAD)
         return 3;
-    const int bad = check_metadata(slot_mapping, block_tables, bt_stride, seq_lens, num_reqs,
-                                   bs, num_blocks, bt_cols, max_len);
+    const int bad = check_metadata(slot_mapping, block_tables, bt_stride, query_start_loc,
+                                   seq_lens, num_reqs, num_rows, bs, num_blocks, bt_cols,
+                                   max_len);
     if (bad)
         return bad;
+    const int64_t num_tokens = query_start_loc[num_reqs];
     write_new_kv((char *)k_cache, (char *)v_cache, (const char *)k, (const char *)v,
-                 slot_mapping, num_reqs, k_stride, v_stride, kvh * d, bs, tile_stride, elem);
-    float *sc = work, *acc = work + max_len;
+                 slot_mapping, num_tokens, k_stride, v_stride, kvh * d, bs, tile_stride, elem);
+    float *sc = work, *acc = work + g * max_len;
     const int avx512 = !bf16 && bs == 16 && d <= 512 && use_avx512();
-    float qf[BF16_MAX_HEAD], of[BF16_MAX_HEAD];
     for (int64_t r = 0; r < num_reqs; r++) {
         const int32_t *bt = block_tables + r * bt_stride;
-        const int64_t len = seq_lens[r];
-        char *o_row = (char *)out + r * num_heads * d * elem;
-        if (len <= 0) {
-            memset(o_row, 0, num_heads * d * elem); /* 0 is all-zero bits in both types */
-            continue;
-        }
-#if defined(__x86_64__) && defined(__GNUC__)
-        if (avx512) {
-            attend_request16((const float *)q + r * q_stride, (const float *)k_cache,
-                             (const float *)v_cache, bt, len, tile_stride, num_heads, g, d,
-                             scale, sc, (float *)o_row);
-            continue;
-        }
-#endif
-        for (int64_t h = 0; h < num_heads; h++) {
-            const int64_t off = (h / g) * tile;
-            if (bf16) {
-                const uint16_t *qh = (const uint16_t *)q + r * q_stride + h * d;
-                for (int64_t i = 0; i < d; i++)
-                    qf[i] = bf16_to_f32(qh[i]);
-                const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
-                if (bs == 16)
-                    attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc,
-                                     acc, of);
-                else
-                    attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc,
-                                     acc, of);
-                for (int64_t i = 0; i < d; i++)
-                    ((uint16_t *)o_row)[h * d + i] = f32_to_bf16(of[i]);
-                continue;
-            }
-            const float *qh = (const float *)q + r * q_stride + h * d;
-            const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
-            float *o = (float *)o_row + h * d;
-            if (bs == 16)
-                attend_head(qh, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc, acc, o);
-            else
-                attend_head(qh, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc, acc, o);
-        }
+        const int64_t first = query_start_loc[r], end = query_start_loc[r + 1];
+        /* Token t sees the context up to and including its own position. */
+        for (int64_t t = first; t < end; t++)
+            attend_row((const char *)q + t * q_stride * elem, (char *)out + t * row_bytes,
+                       k_cache, v_cache, bt, seq_lens[r] - (end - 1 - t), num_heads, g, d, bs,
+                       tile_stride, scale, sc, max_len, acc, avx512, bf16);
     }
-    for (int64_t r = num_reqs; r < num_rows; r++)
-        memset((char *)out + r * num_heads * d * elem, 0, num_heads * d * elem);
+    memset((char *)out + num_tokens * row_bytes, 0, (size_t)(num_rows - num_tokens) * row_bytes);
     return 0;
 }
