@@ -20,3 +20,14 @@ def stories_dir() -> Path:
     if not (STORIES_DIR / "config.json").is_file():
         pytest.skip(f"stories260K is absent (looked in {STORIES_DIR})")
     return STORIES_DIR
+
+
+@pytest.fixture(scope="session")
+def cpu_ops() -> object:
+    """decodegraph's CPU operators; skips where they cannot be built (no C++ compiler)."""
+    from decodegraph.native import load_cpu_ops
+
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("the CPU operators cannot be built here (no C++ compiler)")
+    return ops

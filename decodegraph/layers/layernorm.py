@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodegraph.native import load_cpu_ops
+from decodegraph.native import cpu_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = _cpu_ops(x)
+        ops = cpu_ops_for(x) if x.dim() == 2 else None
         if ops is not None:  # one pass per row (graph traces decompose it again)
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.variance_epsilon)
@@ -43,9 +43,3 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
 
-
-def _cpu_ops(x: torch.Tensor) -> object | None:
-    """decodegraph's CPU operators where they apply to `x` (float32 rows on CPU)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
-        return None
-    return load_cpu_ops()

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from decodegraph.native import cpu_ops_for
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -119,8 +121,12 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """Rotate `x` [T, H, D] with `cos`/`sin` [T, 1, D] from `RotaryEmbedding.get_cos_sin`.
 
     `sin` carries the sign of rotate-half in its first half, so rotate-half is a single
-    roll (one op, no negation, no concatenation).
+    roll (one op, no negation, no concatenation). On CPU in float32 this is one native
+    operator with the same arithmetic (graph traces decompose it again).
     """
+    ops = cpu_ops_for(x)
+    if ops is not None:
+        return ops.rotary_embedding(x, cos, sin)
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
 

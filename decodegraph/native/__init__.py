@@ -8,6 +8,9 @@
 - `decodegraph_cpu::rms_norm` and `fused_add_rms_norm` (vLLM's names): RMSNorm in one
   pass per row (csrc/rms_norm.c); torch's CPU rms_norm is five to seven ops, two of them
   copies, which made it 16 % of an eager step at batch 256.
+- `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.c, bit for bit the
+  tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.c): one pass each
+  instead of five and three ops per layer.
 
 csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
 extension builder into a cache keyed by the sources, flags and CPU (~8-25 s the first
@@ -16,8 +19,9 @@ tensor-op paths. Set DECODEGRAPH_NATIVE_KERNELS=0 to disable them. The attention
 kernel has an AVX-512 path at block size 16; DECODEGRAPH_CPU_NO_AVX512=1 forces its portable
 loops (the tests use it to check both).
 
-Graph traces see the norm operators as the aten ops they stand for (`decompositions()`),
-so Inductor fuses them with their neighbours; the attention operator stays opaque.
+Graph traces see the pointwise and norm operators as the aten ops they stand for
+(`decompositions()`), so Inductor fuses them with their neighbours; the attention
+operator stays opaque. Layers call them through `cpu_ops_for(x)`: float32 on CPU only.
 """
 
 from __future__ import annotations
@@ -34,7 +38,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = (_CSRC / "cpu_ops.cpp", _CSRC / "paged_attention.c", _CSRC / "rms_norm.c")
+_SOURCES = (
+    _CSRC / "cpu_ops.cpp",
+    _CSRC / "activation.c",
+    _CSRC / "paged_attention.c",
+    _CSRC / "rms_norm.c",
+    _CSRC / "rotary_embedding.c",
+)
 # -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
 # with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
 _FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
@@ -66,6 +76,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("decodegraph_cpu::fused_add_rms_norm")
     def _(x, residual, weight, eps):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    @torch.library.register_fake("decodegraph_cpu::rotary_embedding")
+    def _(x, cos, sin):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("decodegraph_cpu::silu_and_mul")
+    def _(x):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
 @cache
@@ -104,9 +122,17 @@ def load_cpu_ops() -> object | None:
     return None
 
 
+def cpu_ops_for(x: torch.Tensor) -> object | None:
+    """The CPU operators where they apply to `x` (float32 on CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return load_cpu_ops()
+
+
 def decompositions() -> dict:
-    """For graph traces: each loaded norm operator -> the aten ops it stands for (a graph
-    pays no per-op dispatch, and a compiler fuses these with their neighbours)."""
+    """For graph traces: each loaded pointwise or norm operator -> the aten ops it stands
+    for (a graph pays no per-op dispatch, and a compiler fuses these with their
+    neighbours)."""
     if not hasattr(torch.ops, "decodegraph_cpu") or not hasattr(
         torch.ops.decodegraph_cpu, "rms_norm"
     ):
@@ -120,5 +146,17 @@ def decompositions() -> dict:
         res = x + residual
         return F.rms_norm(res, (res.shape[-1],), weight, eps), res
 
+    def rotary_embedding(x, cos, sin):  # noqa: ANN001, ANN202
+        return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+    def silu_and_mul(x):  # noqa: ANN001, ANN202
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
     ops = torch.ops.decodegraph_cpu
-    return {ops.rms_norm.default: rms_norm, ops.fused_add_rms_norm.default: fused_add_rms_norm}
+    return {
+        ops.rms_norm.default: rms_norm,
+        ops.fused_add_rms_norm.default: fused_add_rms_norm,
+        ops.rotary_embedding.default: rotary_embedding,
+        ops.silu_and_mul.default: silu_and_mul,
+    }

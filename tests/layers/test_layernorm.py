@@ -9,7 +9,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decodegraph.graphs.graph import trace
 from decodegraph.layers.layernorm import RMSNorm
-from decodegraph.native import load_cpu_ops
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
@@ -31,14 +30,6 @@ def test_fused_residual_returns_norm_of_sum_and_the_sum() -> None:
     out, new_residual = norm(x, residual)
     torch.testing.assert_close(new_residual, x + residual)
     torch.testing.assert_close(out, norm(x + residual))
-
-
-@pytest.fixture
-def cpu_ops() -> object:
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("the CPU operators cannot be built here (no C++ compiler)")
-    return ops
 
 
 @pytest.mark.parametrize("hidden", [64, 48, 7])

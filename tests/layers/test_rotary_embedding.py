@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from decodegraph.graphs.graph import trace
 from decodegraph.layers.rotary_embedding import (
     apply_rotary_emb,
     compute_inv_freq,
@@ -137,3 +138,31 @@ def test_cache_is_in_the_default_dtype_at_construction() -> None:
         torch.set_default_dtype(prev)
     assert rope.cos_sin_cache.dtype == torch.bfloat16
     assert rope.cos_sin_cache.shape == (16, 2, HEAD_DIM)
+
+
+def test_the_native_rotation_equals_the_tensor_formula_bit_for_bit(cpu_ops: object) -> None:
+    """On the strided heads a stacked qkv projection gives (q and k heads side by side)."""
+    rope = get_rope(HEAD_DIM, 512, get_rope_parameters(config_for(ROPES["llama3"])))
+    qkv = torch.randn(6, 7 * HEAD_DIM) * 5
+    x = qkv[:, : 6 * HEAD_DIM].view(6, 6, HEAD_DIM)
+    cos, sin = rope.get_cos_sin(torch.tensor([0, 3, 9, 100, 256, 511]))
+    want = x * cos + torch.roll(x, HEAD_DIM // 2, -1) * sin
+    assert torch.equal(cpu_ops.rotary_embedding(x, cos, sin), want)
+
+
+def test_rotation_runs_the_native_operator_eagerly_and_aten_ops_in_a_graph(
+    cpu_ops: object,
+) -> None:
+    rope = get_rope(HEAD_DIM, 64, ROPES["default"])
+    x, positions = torch.randn(3, 2, HEAD_DIM), torch.tensor([1, 5, 63])
+
+    def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return apply_rotary_emb(x, *rope.get_cos_sin(positions))
+
+    with torch.profiler.profile() as prof:
+        rotate(x, positions)
+    assert "decodegraph_cpu::rotary_embedding" in {e.name for e in prof.events()}
+    gm = trace(rotate, [x, positions])
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not any("decodegraph_cpu" in t for t in targets), targets
+    assert torch.equal(gm(x, positions), rotate(x, positions))

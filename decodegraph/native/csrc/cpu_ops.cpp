@@ -8,14 +8,18 @@
 // inputs: no other operator reads them, and declaring the mutation would make a
 // compiler functionalise the op and copy whole caches every step (DESIGN.md, section 6).
 //
-// rms_norm, fused_add_rms_norm: vLLM's names and semantics (out of place here).
+// rms_norm, fused_add_rms_norm, silu_and_mul: vLLM's names and semantics (out of place
+// here). rotary_embedding: the neox rotation with a row's cos and signed sin given (vLLM's
+// takes positions and the whole table, in place).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 extern "C" {
+#include "activation.c"
 #include "paged_attention.c"
 #include "rms_norm.c"
+#include "rotary_embedding.c"
 }
 
 namespace {
@@ -109,12 +113,40 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
     return {out, res_out};
 }
 
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+                    sin.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+                "rotary_embedding: float32 x [tokens, heads, head_size] with contiguous heads");
+    const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2);
+    TORCH_CHECK(d % 2 == 0 && cos.size(0) == rows && sin.size(0) == rows &&
+                    cos.size(-1) == d && sin.size(-1) == d && cos.stride(-1) == 1 &&
+                    sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0),
+                "rotary_embedding: cos and sin rows of head_size (even) values, one per token");
+    auto out = x.new_empty({rows, heads, d});
+    rotary_embedding_f32(out.data_ptr<float>(), x.data_ptr<float>(), cos.data_ptr<float>(),
+                         sin.data_ptr<float>(), rows, heads, d, x.stride(0), x.stride(1),
+                         cos.stride(0));
+    return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                    x.size(1) % 2 == 0,
+                "silu_and_mul: float32 rows [n, 2 * d]");
+    const int64_t d = x.size(1) / 2;
+    auto out = x.new_empty({x.size(0), d});
+    silu_and_mul_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), d, x.stride(0));
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");
+    m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+    m.def("silu_and_mul(Tensor x) -> Tensor");
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
           "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
@@ -124,4 +156,6 @@ TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("paged_attention", &paged_attention);
     m.impl("rms_norm", &rms_norm);
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+    m.impl("rotary_embedding", &rotary_embedding);
+    m.impl("silu_and_mul", &silu_and_mul);
 }
