@@ -73,6 +73,8 @@ class ModelRunner:
             self.block_size,
             self.max_model_len,
         )
+        # Every step's forward runs in this context (graphs refresh their own slots).
+        self._eager_context = ForwardContext(self.attn_backend, EAGER_SLOT)
         self.buffers = InputBuffers(
             self.max_num_tokens,
             self.max_num_reqs,
@@ -120,7 +122,7 @@ class ModelRunner:
         before = self.platform.memory_allocated()
         md = self._metadata(0, 0, 0, 0, False, [0], [], self.max_num_reqs, n)
         self.attn_backend.set_eager_metadata(md)
-        with set_forward_context(ForwardContext(self.attn_backend, EAGER_SLOT)):
+        with set_forward_context(self._eager_context):
             hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
             self.model.compute_logits(hidden[: self.max_num_reqs])
         self.platform.synchronize()
@@ -394,12 +396,12 @@ class ModelRunner:
     def _forward(self, step: _Step) -> torch.Tensor:
         """Logits for each request's last scheduled token ([num_reqs, vocab])."""
         backend, b = self.attn_backend, self.buffers
-        with set_forward_context(ForwardContext(backend, EAGER_SLOT)):
+        with set_forward_context(self._eager_context):
             if step.mode is RuntimeMode.FULL:
                 backend.update_graph_params(self._graph_slots[step.key], step.metadata)
                 out = self.graphs.replay(step.mode, step.key, self._replay_inputs(step.key))
                 if step.key.uniform:
-                    return out[: step.num_reqs]
+                    return out if out.shape[0] == step.num_reqs else out[: step.num_reqs]
                 hidden = out
             elif step.mode is RuntimeMode.PIECEWISE:
                 backend.set_eager_metadata(step.metadata)

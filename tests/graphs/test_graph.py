@@ -79,6 +79,31 @@ def test_a_view_at_another_offset_is_a_changed_address() -> None:
 # ---------------------------------------------------------------- manager
 
 
+class _Tied(torch.nn.Module):
+    """One weight read twice (like tied embeddings) beside a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.register_buffer("b", torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.w + self.b) @ self.w.t()
+
+
+def test_an_inductor_graph_takes_its_weights_as_inputs_and_is_called_directly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, x = _Tied(), torch.randn(4, 8)
+    with caplog.at_level("DEBUG", logger="decodegraph.graphs.graph"):
+        graph = CpuGraph("g", model, [x], use_inductor=True)
+    assert "calling Inductor's function directly" in caplog.text
+    x.copy_(torch.randn(4, 8))
+    torch.testing.assert_close(graph.replay([x]), model(x))
+    model.w.mul_(2)  # a weight changed in place is read at replay, not baked in
+    torch.testing.assert_close(graph.replay([x]), model(x))
+
+
 def test_manager_counts_captures_and_closes_capture() -> None:
     manager = GraphManager("cpu", NO_INDUCTOR)
     x, w = torch.randn(2, 8), torch.randn(8, 8)
