@@ -44,6 +44,7 @@ _SOURCES = (
     _CSRC / "paged_attention.c",
     _CSRC / "rms_norm.c",
     _CSRC / "rotary_embedding.c",
+    _CSRC / "vec.h",
 )
 # -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
 # with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 /* bfloat16 <-> float32, bit for bit as torch converts (round to nearest even). */
 static inline float bf16_to_f32(uint16_t x)
 {
@@ -177,29 +179,7 @@ INLINE void attend_head_bf16(const float *qh, const uint16_t *k_cache, const uin
     reduce_lanes(acc, d, bs, 1.f, o);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define AVX512 __attribute__((target("avx512f"), always_inline)) static inline
-
-/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree
- * 6 (relative error ~1e-7); x below -87 gives ~0 rather than denormals. */
-AVX512 __m512 exp16(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
+#if DECODEGRAPH_X86
 /* Attention for block size 16 in AVX-512, for the G query heads that share one KV head
  * (grouped-query attention): each K and V row is loaded once for all of them. A block
  * row is one register, the running maxima and weight sums stay vertical until the end,
@@ -297,17 +277,6 @@ __attribute__((target("avx512f"))) static void attend_request16(
     }
 }
 
-static int use_avx512(void)
-{
-    static int cached = -1;
-    if (cached < 0) {
-        const char *off = getenv("DECODEGRAPH_CPU_NO_AVX512");
-        cached = __builtin_cpu_supports("avx512f") && !(off && off[0] == '1');
-    }
-    return cached;
-}
-#else
-static int use_avx512(void) { return 0; }
 #endif
 
 /* Refuse metadata that would read or write outside the caches, the block table, the
@@ -365,7 +334,7 @@ static void attend_row(const void *q_row, void *o_row, const void *k_cache,
                        int64_t g, int64_t d, int64_t bs, int64_t tile_stride, float scale,
                        float *sc, int64_t sc_stride, float *acc, int avx512, int bf16)
 {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if DECODEGRAPH_X86
     if (avx512) {
         attend_request16((const float *)q_row, (const float *)k_cache, (const float *)v_cache,
                          bt, len, tile_stride, num_heads, g, d, scale, sc, sc_stride,
