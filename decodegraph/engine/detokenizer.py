@@ -175,9 +175,23 @@ class IncrementalDetokenizer:
         self.output_text += full[len(prefix) :] if full.startswith(prefix) else self._decode(held)
         self._num_held = 0
 
+    def _decode_whole(self) -> None:
+        """A deferred sequence's text in one decode where that is what the stream would
+        give: every byte sequence valid, the prompt's tail a clean prefix of it (the
+        stream's pieces then add up to exactly this; tests check it on random ids).
+        Otherwise the stream steps through the tokens as usual."""
+        prefix = self._decode(self._prompt_tail)
+        full = self._decode(self._prompt_tail + self.output_token_ids)
+        if _REPLACEMENT in full or not full.startswith(prefix):
+            return
+        self.output_text = full[len(prefix) :]
+        self._num_fed = len(self.output_token_ids)
+
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to send now: all of it, or (`delta`) what is new since the previous
         call; unless `finished`, the stop-string hold-back is left out."""
+        if finished and self._deferred and self._num_fed == 0:
+            self._decode_whole()
         self._feed()
         if finished:
             self._flush()
