@@ -165,6 +165,9 @@ class CpuGraph(Graph):
     ) -> None:
         super().__init__(name, inputs)
         self.graph_module = trace(fn, inputs)
+        output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+        # A compiled graph returns a list even for one tensor; give back what fn returns.
+        self._single_output = not isinstance(output.args[0], (tuple, list))
         if use_inductor:
             self._callable = compile_with_inductor(self.graph_module, inputs, inductor_options)
         else:
@@ -174,7 +177,7 @@ class CpuGraph(Graph):
 
     def _run(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         out = self._callable(*inputs)
-        return out[0] if isinstance(out, (list, tuple)) else out
+        return out[0] if self._single_output and isinstance(out, (list, tuple)) else out
 
 
 class CudaGraph(Graph):

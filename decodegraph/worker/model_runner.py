@@ -25,7 +25,7 @@ from decodegraph.models.llama import get_head_dim
 from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
 from decodegraph.sample.metadata import SamplingMetadata
-from decodegraph.sample.sampler import Sampler
+from decodegraph.sample.sampler import Sampler, SamplerOutput
 from decodegraph.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -258,8 +258,14 @@ class ModelRunner:
         if not uniform:
             return self._hidden_fn
 
-        def fn(input_ids: torch.Tensor, positions: torch.Tensor, *_: object) -> torch.Tensor:
-            return self.model.compute_logits(self.model(input_ids, positions))
+        def fn(
+            input_ids: torch.Tensor, positions: torch.Tensor, *_: object
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            # Greedy ids too: inside the graph the argmax is fused with the LM head (at
+            # batch 1 an eager argmax after the replay was ~5 % of a step); the sampler
+            # still gets the logits for everything else.
+            logits = self.model.compute_logits(self.model(input_ids, positions))
+            return logits, logits.argmax(dim=-1)
 
         return fn
 
@@ -372,7 +378,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         step = self._prepare(so)
-        logits = self._forward(step)
+        logits, greedy_ids = self._forward(step)
         kind = "decode" if step.num_tokens == step.num_reqs else "mixed"
         self.mode_counts[(kind, step.mode.name)] += 1
         req_ids = [r.request_id for r in so.scheduled_requests]
@@ -384,7 +390,11 @@ class ModelRunner:
             if len(rows) != logits.shape[0]:
                 logits = logits[rows]
             meta = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, self.device)
-            out = self.sampler(logits, meta)
+            if greedy_ids is not None and meta.is_fast_greedy:
+                # The graph's argmax: the sampler's greedy rule (first maximum).
+                out = SamplerOutput(greedy_ids.tolist(), None)
+            else:
+                out = self.sampler(logits, meta)
             for i, tok in zip(rows, out.sampled_token_ids, strict=True):
                 sampled[i] = tok
             if out.logprobs is not None:
@@ -393,15 +403,20 @@ class ModelRunner:
                     logprobs[i] = lp
         return ModelRunnerOutput(req_ids, sampled, logprobs)
 
-    def _forward(self, step: _Step) -> torch.Tensor:
-        """Logits for each request's last scheduled token ([num_reqs, vocab])."""
+    def _forward(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for each request's last scheduled token ([num_reqs, vocab]), and their
+        greedy ids where a full decode graph computed them (else None)."""
         backend, b = self.attn_backend, self.buffers
         with set_forward_context(self._eager_context):
             if step.mode is RuntimeMode.FULL:
                 backend.update_graph_params(self._graph_slots[step.key], step.metadata)
                 out = self.graphs.replay(step.mode, step.key, self._replay_inputs(step.key))
                 if step.key.uniform:
-                    return out if out.shape[0] == step.num_reqs else out[: step.num_reqs]
+                    logits, greedy_ids = out
+                    n = step.num_reqs
+                    if logits.shape[0] == n:
+                        return logits, greedy_ids
+                    return logits[:n], greedy_ids[:n]
                 hidden = out
             elif step.mode is RuntimeMode.PIECEWISE:
                 backend.set_eager_metadata(step.metadata)
@@ -411,5 +426,5 @@ class ModelRunner:
                 n = step.num_tokens
                 hidden = self.model(b.input_ids.gpu[:n], b.positions.gpu[:n])
             if step.key.uniform and step.num_tokens == step.num_reqs:
-                return self.model.compute_logits(hidden[: step.num_reqs])
-            return self.model.compute_logits(hidden[b.logits_indices.gpu[: step.num_reqs]])
+                return self.model.compute_logits(hidden[: step.num_reqs]), None
+            return self.model.compute_logits(hidden[b.logits_indices.gpu[: step.num_reqs]]), None

@@ -104,6 +104,16 @@ def test_an_inductor_graph_takes_its_weights_as_inputs_and_is_called_directly(
     torch.testing.assert_close(graph.replay([x]), model(x))
 
 
+def test_an_inductor_argmax_picks_the_first_maximum_like_the_sampler() -> None:
+    """Full decode graphs return argmax ids that stand in for the sampler's greedy()."""
+    from decodegraph.sample.sampler import greedy
+
+    logits = torch.randint(0, 4, (6, 40)).float()  # many tied maxima per row
+    graph = CpuGraph("g", lambda x: (x * 1, x.argmax(dim=-1)), [logits], use_inductor=True)
+    _, ids = graph.replay([logits])
+    assert torch.equal(ids, greedy(logits))
+
+
 def test_manager_counts_captures_and_closes_capture() -> None:
     manager = GraphManager("cpu", NO_INDUCTOR)
     x, w = torch.randn(2, 8), torch.randn(8, 8)

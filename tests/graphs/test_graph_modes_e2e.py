@@ -355,6 +355,30 @@ def test_mode_counts_report_decode_steps_as_decode(engine: Callable[..., LLM], m
     assert counts[("decode", decode_mode)] - before.get(("decode", decode_mode), 0) == 5
 
 
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_full_decode_graphs_give_greedy_ids_and_the_sampler_runs_otherwise(
+    engine: Callable[..., LLM], mode: str
+) -> None:
+    """A uniform-decode full graph returns its argmax with the logits: all-greedy decode
+    steps skip the sampler; a sampled request goes through it. (FULL's one graph per size
+    serves mixed batches too and returns hidden states; its steps sample eagerly.)"""
+    llm = engine("stories", mode)
+    runner = llm.llm_engine.runner
+    calls = []
+    sampler = runner.sampler
+    runner.sampler = lambda logits, meta: calls.append(logits.shape[0]) or sampler(logits, meta)
+    try:
+        prompts = _prompts("stories", 3, (4, 9), seed=8)
+        assert _run(llm, prompts, 12) == _run(engine("stories", "NONE"), prompts, 12)
+        greedy_calls = len(calls)
+        seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+        llm.generate(prompts, seeded, use_tqdm=False)
+    finally:
+        runner.sampler = sampler
+    assert greedy_calls <= 1  # the prefill step only
+    assert len(calls) - greedy_calls >= 11  # every step of the sampled run
+
+
 def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path) -> None:
     """The one Inductor test (a compile costs seconds): one capture size."""
     prompts = _prompts("stories", 1, (5, 5), seed=5)
