@@ -233,6 +233,7 @@ class Scheduler:
         Requests finished from outside since `schedule()` are skipped.
         """
         kv = self.kv_cache_manager
+        block_size = kv.block_size
         sampled_token_ids = model_output.sampled_token_ids
         logprobs = model_output.logprobs
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -253,7 +254,9 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
-            kv.cache_full_blocks(request)
+            # One new token fills a block only when it lands on the block's last slot.
+            if num_scheduled[i] > 1 or request.num_computed_tokens % block_size == 0:
+                kv.cache_full_blocks(request)
             finished = self._check_stop(request, token_id)
             if finished:
                 stopped.append(request)

@@ -101,7 +101,7 @@ class Request:
         self.all_token_ids.append(token_id)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What one step produced for one request, passed from the scheduler to the
     output processor (detokenizer, stop strings, `RequestOutput`)."""
