@@ -77,8 +77,9 @@ def compile_with_inductor(
     without AOTAutograd's runtime wrappers around it: they handle parameters, input
     mutations and outputs aliasing inputs, none of which an inference graph has (its KV
     writes are inside opaque ops), and cost ~25-30 µs per replay. Where that function
-    cannot be taken, or does not reproduce the wrapped one at capture, the wrapped one
-    is used.
+    cannot be taken (AOTAutograd merged or dropped inputs), or does not reproduce the
+    wrapped one at capture, the wrapped one is used. `gm` is changed in place: its tensor
+    attributes become placeholders.
     """
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
