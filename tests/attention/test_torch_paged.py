@@ -45,7 +45,7 @@ class Case:
 
 
 class TorchOpsAttentionBackend(CPUAttentionBackend):
-    """The same backend on its tensor-op path (the C decode kernel opted out)."""
+    """The same backend on its tensor-op path (the native attention operator opted out)."""
 
     use_native_kernel = False
 
@@ -61,7 +61,8 @@ def require_native_op() -> None:
 
 @pytest.fixture(params=["native", "torch-ops"])
 def kernel(request: pytest.FixtureRequest) -> str:
-    """Decode runs in the C kernel (when it builds here) or in tensor ops: test both."""
+    """Attention runs in the native operator (when it builds here) or in tensor ops: test
+    both."""
     if request.param == "native":
         require_native_op()
     return request.param

@@ -114,7 +114,7 @@ class AttentionBackend:
         """One layer's K cache (and its V cache): [blocks, kv_heads, head_size, block_size].
 
         Within a block a head's values of one dimension lie side by side for all its
-        positions, so a decode kernel multiplies block_size positions per instruction
+        positions, so an attention kernel multiplies block_size positions per instruction
         (QK and PV alike): 2x faster attention on CPU than [blocks, block_size, ...].
         """
         return (num_blocks, num_kv_heads, head_size, block_size)
