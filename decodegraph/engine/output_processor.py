@@ -145,6 +145,8 @@ class OutputProcessor:
                 continue
             if self._process_one(parent, child, out, now):
                 reqs_to_abort.append(out.request_id)
+            if parent.num_unfinished and parent.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to show before the end (LLM.generate's case)
             touched.setdefault(parent.request_id, (parent, []))[1].append(child)
 
         request_outputs = []
