@@ -90,6 +90,12 @@ class KVCacheManager:
         req_id = request.request_id
         bs = self.block_size
         blocks = self.req_to_blocks.get(req_id)
+        if (
+            new_computed_blocks is None
+            and blocks is not None
+            and request.num_computed_tokens + num_new_tokens <= len(blocks) * bs
+        ):
+            return []  # a running request whose tokens fit in its blocks (most decode steps)
         num_existing = len(blocks) if blocks is not None else 0
         num_hit = len(new_computed_blocks) if new_computed_blocks else 0
         num_tokens_needed = request.num_computed_tokens + num_hit * bs + num_new_tokens
