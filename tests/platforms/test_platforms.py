@@ -251,4 +251,6 @@ def test_cpu_kv_caches_are_zeroed_and_advised_onto_huge_pages() -> None:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text():
         pytest.skip("transparent huge pages are off on this machine")
+    assert cache.data_ptr() % (2 << 20) == 0  # its first blocks on huge pages too
     assert _thp_eligible(cache.data_ptr() + cache.nbytes // 2)
+    assert _thp_eligible(cache.data_ptr())
