@@ -30,10 +30,13 @@ class Graph:
     def __init__(self, name: str, inputs: Sequence[torch.Tensor]) -> None:
         self.name = name
         self._addresses = [t.data_ptr() for t in inputs]
+        self._layouts = [(tuple(t.shape), t.stride()) for t in inputs]
         self._checked = False
         self.num_replays = 0
 
     def check_addresses(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Inputs at their capture-time addresses, shapes and strides (compiled CPU graphs
+        do not check shapes per call; a device graph cannot)."""
         addresses = [t.data_ptr() for t in inputs]
         if len(addresses) != len(self._addresses):
             raise InputAddressError(
@@ -45,6 +48,12 @@ class Graph:
             ]
             raise InputAddressError(
                 f"graph {self.name}: inputs {bad} are not at their capture-time addresses"
+            )
+        layouts = [(tuple(t.shape), t.stride()) for t in inputs]
+        if layouts != self._layouts:
+            bad = [i for i, (a, b) in enumerate(zip(layouts, self._layouts, strict=True)) if a != b]
+            raise InputAddressError(
+                f"graph {self.name}: inputs {bad} do not have their capture-time shapes and strides"
             )
         self._checked = True
 

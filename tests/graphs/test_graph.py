@@ -67,6 +67,13 @@ def test_a_changed_input_address_is_caught_on_first_replay() -> None:
     assert graph.num_replays == 0
 
 
+def test_a_view_of_another_shape_at_the_same_address_is_caught() -> None:
+    buf, w = torch.randn(8, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [buf[:4], w], use_inductor=False)
+    with pytest.raises(InputAddressError, match=r"inputs \[0\] do not have their capture"):
+        graph.replay([buf[:6], w])
+
+
 def test_a_view_at_another_offset_is_a_changed_address() -> None:
     buf = torch.randn(16, 8)
     w = torch.randn(8, 8)
