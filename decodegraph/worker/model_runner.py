@@ -204,8 +204,8 @@ class ModelRunner:
         b.query_start_loc.np[reqs + 1 : views + 1] = reqs
         b.copy_to_device(n, views)
         b.num_reqs_np[0] = reqs
-        md = self._metadata(reqs, reqs, 1, 1, key.uniform, None, [1] * reqs, views, n)
-        md.query_start_loc_cpu = list(range(reqs + 1))
+        qsl = list(range(reqs + 1))
+        md = self._metadata(reqs, reqs, 1, 1, key.uniform, qsl, [1] * reqs, views, n)
         if mode is RuntimeMode.FULL:
             slot = self.attn_backend.new_graph_slot(md)
             self._graph_slots[key] = slot

@@ -7,7 +7,6 @@ softmax(q k^T * scale) v over the request's dense K/V (causal, with the context 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from decodegraph.attention.forward_context import ForwardContext, set_forward_co
 from decodegraph.graphs.modes import AttentionCGSupport
 from decodegraph.native import load_cpu_ops
 from tests.utils.kv import changed_slots
+from tests.utils.native import pytest_without_avx512
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -426,10 +426,7 @@ def test_the_portable_c_path_matches_too() -> None:
     """Where AVX-512 is present the native decode runs intrinsics; the portable C loops
     beside them (other CPUs, other block sizes) must agree with the reference as well."""
     require_native_op()
-    env = dict(os.environ, DECODEGRAPH_CPU_NO_AVX512="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "native and not portable and not subnormals"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = pytest_without_avx512(__file__, "native and not portable and not subnormals")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert " passed" in proc.stdout
 

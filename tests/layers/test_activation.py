@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from decodegraph.graphs.graph import trace
 from decodegraph.layers.activation import get_act_and_mul_fn
+from tests.utils.native import pytest_without_avx512
 
 
 def test_silu_and_mul_gates_the_second_half_with_the_first() -> None:
@@ -50,9 +47,6 @@ def test_silu_and_mul_runs_the_native_operator_eagerly_and_aten_ops_in_a_graph(
 def test_the_portable_silu_and_mul_matches_too(cpu_ops: object) -> None:
     """Where AVX-512 is present the operator runs intrinsics; its portable loop (other
     CPUs) must agree with torch as well."""
-    env = dict(os.environ, DECODEGRAPH_CPU_NO_AVX512="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "native_silu_and_mul_matches"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = pytest_without_avx512(__file__, "native_silu_and_mul_matches")
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "1 passed" in proc.stdout

@@ -110,6 +110,21 @@ INLINE void reduce_lanes(const float *acc, int64_t d, int64_t bs, float inv, flo
     }
 }
 
+/* Second pass of attend_head over one block: the first n lanes' weights exp(s - m) into
+ * s, their sums into l, and the weighted V rows into acc. */
+INLINE void weigh_block(float *__restrict__ s, const float *vt, float m, int64_t d,
+                        const int64_t bs, const int64_t n, float *__restrict__ l,
+                        float *__restrict__ acc)
+{
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        l[j] += s[j];
+    }
+    for (int64_t i = 0; i < d; i++)
+        for (int64_t j = 0; j < n; j++)
+            acc[i * bs + j] += s[j] * vt[i * bs + j];
+}
+
 /* One query head over its KV head's context, float32, in two passes: scores and their
  * maximum, then exp-weighted sums of V (no running rescale). Callers pass `bs` as a
  * constant where they can, which makes every inner loop exactly one vector wide. */
@@ -123,25 +138,10 @@ INLINE void attend_head(const float *qh, const float *k_cache, const float *v_ca
     float *l = acc + d * bs; /* per-lane sums of the weights */
     for (int64_t p0 = 0; p0 < len; p0 += bs) {
         const float *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
-        float *s = sc + p0;
-        if (len - p0 >= bs) {
-            for (int64_t j = 0; j < bs; j++) {
-                s[j] = expf(s[j] - m);
-                l[j] += s[j];
-            }
-            for (int64_t i = 0; i < d; i++)
-                for (int64_t j = 0; j < bs; j++)
-                    acc[i * bs + j] += s[j] * vt[i * bs + j];
-        } else { /* the last, partial block: only its first n lanes hold context */
-            const int64_t n = len - p0;
-            for (int64_t j = 0; j < n; j++) {
-                s[j] = expf(s[j] - m);
-                l[j] += s[j];
-            }
-            for (int64_t i = 0; i < d; i++)
-                for (int64_t j = 0; j < n; j++)
-                    acc[i * bs + j] += s[j] * vt[i * bs + j];
-        }
+        if (len - p0 >= bs) /* n = bs: a constant where bs is, so one vector wide */
+            weigh_block(sc + p0, vt, m, d, bs, bs, l, acc);
+        else /* the last, partial block: only its first n lanes hold context */
+            weigh_block(sc + p0, vt, m, d, bs, len - p0, l, acc);
     }
     float total = 0.f;
     for (int64_t j = 0; j < bs; j++)
