@@ -16,8 +16,9 @@ csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
 extension builder into a cache keyed by the sources, flags and CPU (~8-25 s the first
 time). Where they cannot be built, `load_cpu_ops()` returns None and callers keep their
 tensor-op paths. Set DECODEGRAPH_NATIVE_KERNELS=0 to disable them. The attention
-kernel has an AVX-512 path at block size 16; DECODEGRAPH_CPU_NO_AVX512=1 forces its portable
-loops (the tests use it to check both).
+kernel has an AVX-512 path for block sizes that are multiples of 16;
+DECODEGRAPH_CPU_NO_AVX512=1 forces its portable loops (the tests use it to check both).
+A large step splits its requests over torch's intra-op threads.
 
 Graph traces see the pointwise and norm operators as the aten ops they stand for
 (`decompositions()`), so Inductor fuses them with their neighbours; the attention
@@ -48,7 +49,14 @@ _SOURCES = (
 )
 # -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
 # with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
-_FLAG_SETS = (["-O3", "-march=native", "-ffast-math"], ["-O3", "-ffast-math"])
+# -fopenmp: at::parallel_for is OpenMP in torch's headers; the library links against
+# libgomp.so.1, the one torch has already loaded. Without it (no OpenMP in the
+# compiler) the operators build and run on one thread.
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+    ["-O3", "-march=native", "-ffast-math"],
+    ["-O3", "-ffast-math"],
+)
 
 
 def _cpu_id() -> str:
@@ -106,6 +114,7 @@ def load_cpu_ops() -> object | None:
                 name=f"decodegraph_cpu_ops_{key}",
                 sources=[str(_SOURCES[0])],
                 extra_cflags=flags,
+                extra_ldflags=[f for f in flags if f == "-fopenmp"],
                 extra_include_paths=[str(_CSRC)],
                 build_directory=str(build_dir),
                 is_python_module=False,

@@ -264,6 +264,42 @@ def test_mixed_batch_at_the_default_block_size(kernel: str, head_size: int) -> N
     check(case, run(case))
 
 
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_decode_and_mixed_batches_at_block_sizes_above_16(kernel: str, block_size: int) -> None:
+    """Block sizes that are multiples of 16 (the native operator's vector path covers them
+    16 positions at a time): lengths on, off and across block and sub-block boundaries."""
+    backend = make_backend(kernel, 8, 2, 64, block_size=block_size, max_model_len=512)
+    decodes = make_case(backend, [(n - 1, 1) for n in [1, 31, 33, 128, 129, 200]])
+    check(decodes, run(decodes))
+    mixed = make_case(backend, [(0, 70), (130, 1), (40, 100), (127, 2)], seed=1)
+    check(mixed, run(mixed))
+
+
+# A step of the native operator with more work than its single-thread limit (2**20 query
+# tokens x positions x heads x head size): it splits its requests over the threads.
+_LARGE_STEP = [(0, 40), (99, 1), (120, 1), (60, 1), (200, 1), (15, 20)]
+
+
+def test_a_large_step_split_over_threads_gives_the_same_bits() -> None:
+    require_native_op()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        # Workspaces for 1 and for 3 threads, then one for 1 thread run at 4 threads
+        # (the operator uses no more workspace rows than it has).
+        for allocate, run_at in ((1, 1), (3, 3), (1, 4)):
+            torch.set_num_threads(allocate)
+            backend = make_backend("native", 16, 4, 64, block_size=16, max_model_len=256)
+            torch.set_num_threads(run_at)
+            case = make_case(backend, _LARGE_STEP)
+            out = run(case)
+            check(case, out)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def test_each_layer_has_its_own_cache(kernel: str) -> None:
     backend = make_backend(kernel)
     case = make_case(backend, [(3, 2)], layer_idx=1)

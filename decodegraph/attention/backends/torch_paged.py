@@ -65,11 +65,12 @@ class CPUAttentionBackend(AttentionBackend):
         self._positions = torch.arange(
             self.max_blocks_per_seq * self.block_size, device=k_cache.device
         )
-        # The native operator's: one context's scores per query head of a KV head's
-        # group, then (head_size + 1) * block_size accumulators.
+        # The native operator's, one row per intra-op thread (a large step splits its
+        # requests over them): one context's scores per query head of a KV head's group,
+        # then (head_size + 1) * block_size accumulators.
         group = self.num_heads // self.num_kv_heads
         positions = group * self.max_blocks_per_seq + self.head_size + 1
-        self._scores = torch.empty(positions * self.block_size)
+        self._scores = torch.empty(torch.get_num_threads(), positions * self.block_size)
 
     def forward(
         self,

@@ -7,13 +7,20 @@
 // them before a replay. The KV caches are written in place but declared as plain
 // inputs: no other operator reads them, and declaring the mutation would make a
 // compiler functionalise the op and copy whole caches every step (DESIGN.md, section 6).
+// A step with enough work splits its requests over torch's intra-op threads
+// (at::parallel_for, so torch.set_num_threads and nesting rules apply), into contiguous
+// ranges of about equal work, one workspace row each.
 //
 // rms_norm, fused_add_rms_norm, silu_and_mul: vLLM's names and semantics (out of place
 // here). rotary_embedding: the neox rotation with a row's cos and signed sin given (vLLM's
 // takes positions and the whole table, in place).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
 
 extern "C" {
 #include "activation.c"
@@ -23,6 +30,39 @@ extern "C" {
 }
 
 namespace {
+
+// Below this much work (query tokens x context positions x query heads x head size, a
+// few tens of microseconds) a step stays on the calling thread: a batch-1 decode step
+// would pay more for waking a thread than it could save.
+constexpr int64_t kParallelWork = int64_t{1} << 20;
+
+// Request boundaries [0, ..., num_reqs] for up to min(threads, max_parts) contiguous
+// ranges of about equal work (a decode's work is its context; a prefill token's is its
+// causal prefix, so a prefill of q tokens costs about q times its mean context).
+std::vector<int64_t> split_requests(const paged_attention_step& a, int64_t max_parts) {
+    const int64_t n = a.num_reqs, per_pos = a.num_heads * a.head_size;
+    std::vector<int64_t> cost(n);
+    int64_t total = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t q = a.query_start_loc[r + 1] - a.query_start_loc[r];
+        cost[r] = (q * (2 * a.seq_lens[r] - q + 1) / 2 + 16) * per_pos;  // +16: fixed costs
+        total += cost[r];
+    }
+    const int64_t parts = total < kParallelWork
+                              ? 1
+                              : std::min({static_cast<int64_t>(at::get_num_threads()), max_parts,
+                                          std::max<int64_t>(n, 1)});
+    std::vector<int64_t> bounds{0};
+    int64_t done = 0;
+    for (int64_t r = 0; r < n && static_cast<int64_t>(bounds.size()) < parts; r++) {
+        done += cost[r];
+        if (done * parts >= total * static_cast<int64_t>(bounds.size()))
+            bounds.push_back(r + 1);
+    }
+    if (bounds.back() != n)
+        bounds.push_back(n);
+    return bounds;
+}
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
                            const at::Tensor& value, const at::Tensor& k_cache,
@@ -61,25 +101,35 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
     const int64_t num_heads = query.size(1) / head_size;
     TORCH_CHECK(key.size(-1) == num_kv_heads * head_size && value.size(-1) == key.size(-1),
                 "paged_attention: key/value rows must hold kv_heads * head_size values");
-    // The workspace holds one context's scores per query head of a KV head's group, then
-    // (head_size + 1) * block_size accumulators.
+    // Each workspace row holds one context's scores per query head of a KV head's group,
+    // then (head_size + 1) * block_size accumulators: one row per thread.
     TORCH_CHECK(num_heads % num_kv_heads == 0, "paged_attention: heads not a multiple of kv heads");
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t max_len = (workspace.numel() - (head_size + 1) * block_size) / group;
-    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() && max_len > 0,
-                "paged_attention: workspace too small");
+    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.is_contiguous() &&
+                    workspace.dim() == 2,
+                "paged_attention: workspace must be float32 [threads, floats per thread]");
+    const int64_t max_len = (workspace.size(1) - (head_size + 1) * block_size) / group;
+    TORCH_CHECK(max_len > 0 && workspace.size(0) > 0, "paged_attention: workspace too small");
     auto out = at::empty({rows, query.size(1)}, query.options());
-    const int status = paged_attention_layer(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int32_t>(),
-        block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
-        seq_lens.data_ptr<int32_t>(), num_reqs, rows, query.stride(0), key.stride(0),
-        value.stride(0), num_heads, num_kv_heads, head_size, block_size,
-        static_cast<float>(scale), workspace.data_ptr<float>(), k_cache.size(0),
-        block_tables.size(1), max_len, dtype == at::kBFloat16);
+    const paged_attention_step step = {
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(),
+        block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+        seq_lens.data_ptr<int32_t>(), block_tables.stride(0), num_reqs, rows, query.stride(0),
+        key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, block_size,
+        static_cast<float>(scale), k_cache.size(0), block_tables.size(1), max_len,
+        dtype == at::kBFloat16};
+    const int status = paged_attention_begin(&step);
     TORCH_CHECK(status != 3, "paged_attention: bfloat16 head size above 512");
     TORCH_CHECK(status == 0, "paged_attention: a slot, block id, sequence length or query range "
                 "is outside the KV cache, the block table, the rows or the workspace");
+    const std::vector<int64_t> bounds = split_requests(step, workspace.size(0));
+    float* work = workspace.data_ptr<float>();
+    const int64_t per_thread = workspace.size(1);
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; i++)
+            paged_attention_requests(&step, bounds[i], bounds[i + 1], work + i * per_thread);
+    });
     return out;
 }
 

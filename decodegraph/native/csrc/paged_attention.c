@@ -18,11 +18,16 @@
  * query_start_loc: request r's tokens are rows [qsl[r], qsl[r + 1]); rows from
  *         qsl[num_reqs] on are padding: zeroed in out, nothing written.
  * out:    [num_rows, num_heads * head_size].
- * work:   float32: `max_len` scores for each query head of a KV head's group, then
- *         (head_size + 1) * block_size accumulators; allocated once by the caller (an
- *         op never allocates inside a graph).
- * Returns 0, or non-zero (and touches nothing) when a slot, block id, length or query
- * range is outside the caches, the block table, the rows or the workspace.
+ * work:   float32, per caller thread: `max_len` scores for each query head of a KV
+ *         head's group, then (head_size + 1) * block_size accumulators; allocated once
+ *         by the caller (an op never allocates inside a graph).
+ * A step is two calls: paged_attention_begin checks the metadata, writes the new K/V and
+ * zeroes the padding rows (once); paged_attention_requests attends the tokens of
+ * requests [r0, r1) (independent ranges may run on different threads, each with its own
+ * workspace; a request's result does not depend on the split).
+ * paged_attention_begin returns 0, or non-zero (and touches nothing) when a slot, block
+ * id, length or query range is outside the caches, the block table, the rows or the
+ * workspace.
  */
 #include <float.h>
 #include <math.h>
@@ -180,57 +185,66 @@ INLINE void attend_head_bf16(const float *qh, const uint16_t *k_cache, const uin
 }
 
 #if DECODEGRAPH_X86
-/* Attention for block size 16 in AVX-512, for the G query heads that share one KV head
- * (grouped-query attention): each K and V row is loaded once for all of them. A block
- * row is one register, the running maxima and weight sums stay vertical until the end,
+/* Attention in AVX-512 for block sizes that are multiples of 16, for the G query heads
+ * that share one KV head (grouped-query attention): each K and V row is loaded once for
+ * all of them. Sixteen positions of a tile row are one register (a block of bs positions
+ * is bs / 16 of them), the running maxima and weight sums stay vertical until the end,
  * and at constant `d` and `G` with G * d up to ~24 the accumulators live in registers.
  * Lanes past the context are masked: loaded as 0, scored as -FLT_MAX, weighted 0. The
  * scores of head j go to sc + j * sc_stride. */
 enum { MAX_GROUP_ACC = 512, MAX_GROUP = 64 };
 
-AVX512 void attend_group16(const float *q, const float *k_cache, const float *v_cache,
+AVX512 void attend_group_avx512(const float *q, const float *k_cache, const float *v_cache,
                            const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
-                           const int64_t d, const int64_t G, float scale, float *__restrict__ sc,
-                           int64_t sc_stride, float *o)
+                           const int64_t d, const int64_t G, const int64_t bs, float scale,
+                           float *__restrict__ sc, int64_t sc_stride, float *o)
 {
     __m512 acc[MAX_GROUP_ACC], mv[MAX_GROUP], lv[MAX_GROUP], s[MAX_GROUP];
     for (int64_t j = 0; j < G; j++) {
         mv[j] = _mm512_set1_ps(-FLT_MAX);
         lv[j] = _mm512_setzero_ps();
     }
-    for (int64_t p0 = 0; p0 < len; p0 += 16) {
-        const float *kt = k_cache + (int64_t)bt[p0 / 16] * tile_stride + tile_off;
-        const __mmask16 live = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
-        for (int64_t j = 0; j < G; j++)
-            s[j] = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i++) {
-            const __m512 k_row = _mm512_maskz_loadu_ps(live, kt + i * 16);
+    for (int64_t b = 0, p0 = 0; p0 < len; b++) {
+        const float *kb = k_cache + (int64_t)bt[b] * tile_stride + tile_off;
+        for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) { /* 16 positions */
+            const float *kt = kb + c;
+            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
+                                                  : (__mmask16)((1u << (len - p0)) - 1);
             for (int64_t j = 0; j < G; j++)
-                s[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i]), k_row, s[j]);
-        }
-        for (int64_t j = 0; j < G; j++) {
-            const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), live,
-                                                _mm512_mul_ps(s[j], _mm512_set1_ps(scale)));
-            _mm512_storeu_ps(sc + j * sc_stride + p0, x);
-            mv[j] = _mm512_max_ps(mv[j], x);
+                s[j] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i++) {
+                const __m512 k_row = _mm512_maskz_loadu_ps(live, kt + i * bs);
+                for (int64_t j = 0; j < G; j++)
+                    s[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i]), k_row, s[j]);
+            }
+            for (int64_t j = 0; j < G; j++) {
+                const __m512 x = _mm512_mask_mov_ps(
+                    _mm512_set1_ps(-FLT_MAX), live, _mm512_mul_ps(s[j], _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(sc + j * sc_stride + p0, x);
+                mv[j] = _mm512_max_ps(mv[j], x);
+            }
         }
     }
     for (int64_t j = 0; j < G; j++)
         mv[j] = _mm512_set1_ps(_mm512_reduce_max_ps(mv[j]));
     for (int64_t i = 0; i < G * d; i++)
         acc[i] = _mm512_setzero_ps();
-    for (int64_t p0 = 0; p0 < len; p0 += 16) {
-        const float *vt = v_cache + (int64_t)bt[p0 / 16] * tile_stride + tile_off;
-        const __mmask16 live = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
-        for (int64_t j = 0; j < G; j++) {
-            const __m512 x = _mm512_loadu_ps(sc + j * sc_stride + p0);
-            s[j] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, mv[j])));
-            lv[j] = _mm512_add_ps(lv[j], s[j]);
-        }
-        for (int64_t i = 0; i < d; i++) {
-            const __m512 v_row = _mm512_maskz_loadu_ps(live, vt + i * 16);
-            for (int64_t j = 0; j < G; j++)
-                acc[j * d + i] = _mm512_fmadd_ps(s[j], v_row, acc[j * d + i]);
+    for (int64_t b = 0, p0 = 0; p0 < len; b++) {
+        const float *vb = v_cache + (int64_t)bt[b] * tile_stride + tile_off;
+        for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) {
+            const float *vt = vb + c;
+            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
+                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            for (int64_t j = 0; j < G; j++) {
+                const __m512 x = _mm512_loadu_ps(sc + j * sc_stride + p0);
+                s[j] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, mv[j])));
+                lv[j] = _mm512_add_ps(lv[j], s[j]);
+            }
+            for (int64_t i = 0; i < d; i++) {
+                const __m512 v_row = _mm512_maskz_loadu_ps(live, vt + i * bs);
+                for (int64_t j = 0; j < G; j++)
+                    acc[j * d + i] = _mm512_fmadd_ps(s[j], v_row, acc[j * d + i]);
+            }
         }
     }
     for (int64_t j = 0; j < G; j++) {
@@ -240,15 +254,15 @@ AVX512 void attend_group16(const float *q, const float *k_cache, const float *v_
     }
 }
 
-/* One token's row at block size 16: each KV head with its query heads, in groups of at
- * most MAX_GROUP_ACC / d heads (all of them, for every model we know). Common shapes get
- * constant d and G. */
-__attribute__((target("avx512f"))) static void attend_request16(
+/* One token's row at a block size that is a multiple of 16: each KV head with its query
+ * heads, in groups of at most MAX_GROUP_ACC / d heads (all of them, for every model we
+ * know). Common shapes get constant d and G, at block size 16 and at any other. */
+__attribute__((target("avx512f"))) static void attend_request_avx512(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *bt, int64_t len,
-    int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, float scale, float *sc,
-    int64_t sc_stride, float *o_row)
+    int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, int64_t bs, float scale,
+    float *sc, int64_t sc_stride, float *o_row)
 {
-    const int64_t tile = d * 16, max_g = MAX_GROUP_ACC / d < MAX_GROUP ? MAX_GROUP_ACC / d
+    const int64_t tile = d * bs, max_g = MAX_GROUP_ACC / d < MAX_GROUP ? MAX_GROUP_ACC / d
                                                                         : MAX_GROUP;
     for (int64_t h = 0; h < num_heads; h += g) {
         const int64_t off = (h / g) * tile;
@@ -256,22 +270,29 @@ __attribute__((target("avx512f"))) static void attend_request16(
             const int64_t G = h + g - h0 < max_g ? h + g - h0 : max_g;
             const float *qg = q + h0 * d;
             float *og = o_row + h0 * d;
-#define GROUP(D, NG)                                                                          \
-    attend_group16(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, scale, sc, sc_stride, og)
-            if (d == 8 && G == 1)
-                GROUP(8, 1);
-            else if (d == 8 && G == 2)
-                GROUP(8, 2);
-            else if (d == 8 && G == 4)
-                GROUP(8, 4);
-            else if (d == 16 && G == 1)
-                GROUP(16, 1);
-            else if (d == 16 && G == 2)
-                GROUP(16, 2);
-            else if (d == 64 && G == 1)
-                GROUP(64, 1);
+#define GROUP(D, NG, BS)                                                                      \
+    attend_group_avx512(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, BS, scale, sc,     \
+                   sc_stride, og)
+#define SHAPES(BS)                                                                            \
+    if (d == 8 && G == 1)                                                                     \
+        GROUP(8, 1, BS);                                                                      \
+    else if (d == 8 && G == 2)                                                                \
+        GROUP(8, 2, BS);                                                                      \
+    else if (d == 8 && G == 4)                                                                \
+        GROUP(8, 4, BS);                                                                      \
+    else if (d == 16 && G == 1)                                                               \
+        GROUP(16, 1, BS);                                                                     \
+    else if (d == 16 && G == 2)                                                               \
+        GROUP(16, 2, BS);                                                                     \
+    else if (d == 64 && G == 1)                                                               \
+        GROUP(64, 1, BS);                                                                     \
+    else                                                                                      \
+        GROUP(d, G, BS)
+            if (bs == 16)
+                SHAPES(16);
             else
-                GROUP(d, G);
+                SHAPES(bs);
+#undef SHAPES
 #undef GROUP
         }
     }
@@ -336,8 +357,8 @@ static void attend_row(const void *q_row, void *o_row, const void *k_cache,
 {
 #if DECODEGRAPH_X86
     if (avx512) {
-        attend_request16((const float *)q_row, (const float *)k_cache, (const float *)v_cache,
-                         bt, len, tile_stride, num_heads, g, d, scale, sc, sc_stride,
+        attend_request_avx512((const float *)q_row, (const float *)k_cache, (const float *)v_cache,
+                         bt, len, tile_stride, num_heads, g, d, bs, scale, sc, sc_stride,
                          (float *)o_row);
         return;
     }
@@ -371,43 +392,62 @@ static void attend_row(const void *q_row, void *o_row, const void *k_cache,
     }
 }
 
-/* The layer's attention step (see the top of this file); all tensors float32, or all
- * bfloat16 when `bf16` (portable loops there, head_size at most BF16_MAX_HEAD, else 3). */
-int paged_attention_layer(const void *q, const void *k, const void *v, void *out,
-                          void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                          const int32_t *block_tables, int64_t bt_stride,
-                          const int32_t *query_start_loc, const int32_t *seq_lens,
-                          int64_t num_reqs, int64_t num_rows, int64_t q_stride,
-                          int64_t k_stride, int64_t v_stride, int64_t num_heads,
-                          int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                          float scale, float *work, int64_t num_blocks, int64_t bt_cols,
-                          int64_t max_len, int bf16)
+/* One layer's attention step (see the top of this file). All tensors float32, or all
+ * bfloat16 when `bf16` (portable loops there, head_size at most BF16_MAX_HEAD). */
+struct paged_attention_step {
+    const void *q, *k, *v;
+    void *out, *k_cache, *v_cache;
+    const int64_t *slot_mapping;
+    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    int64_t bt_stride, num_reqs, num_rows, q_stride, k_stride, v_stride;
+    int64_t num_heads, num_kv_heads, head_size, block_size;
+    float scale;
+    int64_t num_blocks, bt_cols, max_len; /* max_len: context positions a workspace holds */
+    int bf16;
+};
+
+/* Check the step, write its new K/V into the caches and zero the padding rows of out:
+ * 0, or non-zero with nothing touched (3: a bf16 head size above BF16_MAX_HEAD). */
+int paged_attention_begin(const struct paged_attention_step *a)
 {
-    const int64_t d = head_size, kvh = num_kv_heads, g = num_heads / num_kv_heads;
-    const int64_t bs = block_size, tile_stride = kvh * d * bs;
-    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
-    const size_t row_bytes = (size_t)(num_heads * d) * elem;
-    if (bf16 && d > BF16_MAX_HEAD)
+    const int64_t d = a->head_size, kvh = a->num_kv_heads, bs = a->block_size;
+    const size_t elem = a->bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t row_bytes = (size_t)(a->num_heads * d) * elem;
+    if (a->bf16 && d > BF16_MAX_HEAD)
         return 3;
-    const int bad = check_metadata(slot_mapping, block_tables, bt_stride, query_start_loc,
-                                   seq_lens, num_reqs, num_rows, bs, num_blocks, bt_cols,
-                                   max_len);
+    const int bad = check_metadata(a->slot_mapping, a->block_tables, a->bt_stride,
+                                   a->query_start_loc, a->seq_lens, a->num_reqs, a->num_rows,
+                                   bs, a->num_blocks, a->bt_cols, a->max_len);
     if (bad)
         return bad;
-    const int64_t num_tokens = query_start_loc[num_reqs];
-    write_new_kv((char *)k_cache, (char *)v_cache, (const char *)k, (const char *)v,
-                 slot_mapping, num_tokens, k_stride, v_stride, kvh * d, bs, tile_stride, elem);
-    float *sc = work, *acc = work + g * max_len;
-    const int avx512 = !bf16 && bs == 16 && d <= 512 && use_avx512();
-    for (int64_t r = 0; r < num_reqs; r++) {
-        const int32_t *bt = block_tables + r * bt_stride;
-        const int64_t first = query_start_loc[r], end = query_start_loc[r + 1];
+    const int64_t num_tokens = a->query_start_loc[a->num_reqs];
+    write_new_kv((char *)a->k_cache, (char *)a->v_cache, (const char *)a->k,
+                 (const char *)a->v, a->slot_mapping, num_tokens, a->k_stride, a->v_stride,
+                 kvh * d, bs, kvh * d * bs, elem);
+    memset((char *)a->out + num_tokens * row_bytes, 0,
+           (size_t)(a->num_rows - num_tokens) * row_bytes);
+    return 0;
+}
+
+/* Attend every token of requests [r0, r1) (after paged_attention_begin), with `work`
+ * holding one thread's workspace. */
+void paged_attention_requests(const struct paged_attention_step *a, int64_t r0, int64_t r1,
+                              float *work)
+{
+    const int64_t d = a->head_size, g = a->num_heads / a->num_kv_heads, bs = a->block_size;
+    const size_t elem = a->bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t row_bytes = (size_t)(a->num_heads * d) * elem;
+    float *sc = work, *acc = work + g * a->max_len;
+    const int avx512 = !a->bf16 && bs % 16 == 0 && d <= 512 && use_avx512();
+    for (int64_t r = r0; r < r1; r++) {
+        const int32_t *bt = a->block_tables + r * a->bt_stride;
+        const int64_t first = a->query_start_loc[r], end = a->query_start_loc[r + 1];
         /* Token t sees the context up to and including its own position. */
         for (int64_t t = first; t < end; t++)
-            attend_row((const char *)q + t * q_stride * elem, (char *)out + t * row_bytes,
-                       k_cache, v_cache, bt, seq_lens[r] - (end - 1 - t), num_heads, g, d, bs,
-                       tile_stride, scale, sc, max_len, acc, avx512, bf16);
+            attend_row((const char *)a->q + t * a->q_stride * elem,
+                       (char *)a->out + t * row_bytes, a->k_cache, a->v_cache, bt,
+                       a->seq_lens[r] - (end - 1 - t), a->num_heads, g, d, bs,
+                       a->num_kv_heads * d * bs, a->scale, sc, a->max_len, acc, avx512,
+                       a->bf16);
     }
-    memset((char *)out + num_tokens * row_bytes, 0, (size_t)(num_rows - num_tokens) * row_bytes);
-    return 0;
 }
