@@ -95,6 +95,29 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_without_changing_ids(
     assert_all_blocks_free(engine)
 
 
+def test_large_decode_batches_beside_one_token_prefill_chunks_do_not_change_ids(
+    stories_dir: Path, ref: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 requests decode together while a 41st prompt gets the one token left in the
+    budget each step: a batch of one token per request in which one row does not sample
+    until its prompt is done."""
+    engine = make_engine(stories_dir, max_num_seqs=48, max_num_batched_tokens=41)
+    runner = engine.runner
+    batches: list[tuple[int, int]] = []
+    original = runner._prepare
+
+    def spy(so):  # noqa: ANN001, ANN202
+        batches.append((len(so.scheduled_requests), so.total_num_scheduled_tokens))
+        return original(so)
+
+    monkeypatch.setattr(runner, "_prepare", spy)
+    prompts = [prompt(2 + i % 3, i) for i in range(40)] + [prompt(30, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    assert ids_of(run(engine, prompts, params)[0]) == reference_ids(ref, prompts, params)
+    assert batches.count((41, 41)) >= 20
+    assert_all_blocks_free(engine)
+
+
 # 128 tokens need 8 blocks of 16 (+ the null block): 10 is a little over one sequence.
 # In bytes: exactly 10 blocks of 20480 (kv_cache_memory_bytes is the KV cache size, as in vLLM).
 TINY_KV_BUDGETS = [
