@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,13 @@ def stories_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def cpu_ops() -> object:
-    """decodegraph's CPU operators; skips where they cannot be built (no C++ compiler)."""
+    """decodegraph's CPU operators; skips where they cannot be built (no C++ compiler).
+    Where a compiler is present, a failed build is a failure, not a skip."""
     from decodegraph.native import load_cpu_ops
 
     ops = load_cpu_ops()
     if ops is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is here but the CPU operators did not build")
         pytest.skip("the CPU operators cannot be built here (no C++ compiler)")
     return ops

@@ -13,7 +13,8 @@
 //
 // rms_norm, fused_add_rms_norm, silu_and_mul: vLLM's names and semantics (out of place
 // here). rotary_embedding: the neox rotation with a row's cos and signed sin given (vLLM's
-// takes positions and the whole table, in place).
+// takes positions and the whole table, in place). Rows are independent: large inputs
+// split their rows over the intra-op threads like aten's pointwise ops.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -133,6 +134,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
     return out;
 }
 
+// aten's grain size for pointwise ops (at::internal::GRAIN_SIZE): values per thread below
+// which splitting costs more than it saves.
+constexpr int64_t kGrainValues = 32768;
+
+// fn(first_row, num_rows) over [0, rows), in ranges of at least kGrainValues values
+// each, on torch's intra-op threads.
+template <class F>
+void for_rows(int64_t rows, int64_t values_per_row, const F& fn) {
+    const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(values_per_row, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { fn(b, e - b); });
+}
+
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
                     x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() &&
@@ -142,9 +155,13 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     check_norm_args(x, weight);
-    auto out = x.new_empty({x.size(0), x.size(1)});
-    rms_norm_f32(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(),
-                 x.size(0), x.size(1), x.stride(0), static_cast<float>(eps));
+    const int64_t n = x.size(1), stride = x.stride(0);
+    auto out = x.new_empty({x.size(0), n});
+    float *o = out.data_ptr<float>();
+    const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+    for_rows(x.size(0), n, [&](int64_t r, int64_t rows) {
+        rms_norm_f32(o + r * n, xp + r * stride, w, rows, n, stride, static_cast<float>(eps));
+    });
     return out;
 }
 
@@ -154,12 +171,16 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
     check_norm_args(x, weight);
     check_norm_args(residual, weight);
     TORCH_CHECK(residual.size(0) == x.size(0), "fused_add_rms_norm: row counts differ");
-    auto out = x.new_empty({x.size(0), x.size(1)});
-    auto res_out = x.new_empty({x.size(0), x.size(1)});
-    fused_add_rms_norm_f32(out.data_ptr<float>(), res_out.data_ptr<float>(),
-                           x.data_ptr<float>(), residual.data_ptr<float>(),
-                           weight.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
-                           residual.stride(0), static_cast<float>(eps));
+    const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+    auto out = x.new_empty({x.size(0), n});
+    auto res_out = x.new_empty({x.size(0), n});
+    float *o = out.data_ptr<float>(), *ro = res_out.data_ptr<float>();
+    const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+    const float *w = weight.data_ptr<float>();
+    for_rows(x.size(0), n, [&](int64_t r, int64_t rows) {
+        fused_add_rms_norm_f32(o + r * n, ro + r * n, xp + r * xs, rp + r * rs, w, rows, n, xs,
+                               rs, static_cast<float>(eps));
+    });
     return {out, res_out};
 }
 
@@ -173,9 +194,13 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
                     sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0),
                 "rotary_embedding: cos and sin rows of head_size (even) values, one per token");
     auto out = x.new_empty({rows, heads, d});
-    rotary_embedding_f32(out.data_ptr<float>(), x.data_ptr<float>(), cos.data_ptr<float>(),
-                         sin.data_ptr<float>(), rows, heads, d, x.stride(0), x.stride(1),
-                         cos.stride(0));
+    float *o = out.data_ptr<float>();
+    const float *xp = x.data_ptr<float>(), *c = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+    const int64_t xs = x.stride(0), cs = cos.stride(0);
+    for_rows(rows, heads * d, [&](int64_t r, int64_t n) {
+        rotary_embedding_f32(o + r * heads * d, xp + r * xs, c + r * cs, sn + r * cs, n, heads, d,
+                             xs, x.stride(1), cs);
+    });
     return out;
 }
 
@@ -183,9 +208,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
                     x.size(1) % 2 == 0,
                 "silu_and_mul: float32 rows [n, 2 * d]");
-    const int64_t d = x.size(1) / 2;
+    const int64_t d = x.size(1) / 2, xs = x.stride(0);
     auto out = x.new_empty({x.size(0), d});
-    silu_and_mul_f32(out.data_ptr<float>(), x.data_ptr<float>(), x.size(0), d, x.stride(0));
+    float *o = out.data_ptr<float>();
+    const float *xp = x.data_ptr<float>();
+    for_rows(x.size(0), 2 * d, [&](int64_t r, int64_t rows) {
+        silu_and_mul_f32(o + r * d, xp + r * xs, rows, d, xs);
+    });
     return out;
 }
 
