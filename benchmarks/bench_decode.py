@@ -14,12 +14,17 @@ Prints a table and saves JSON under benchmarks/results/.
 
     python benchmarks/bench_decode.py                       # every mode
     python benchmarks/bench_decode.py --modes NONE FULL_DECODE_ONLY --skip-hf
+    python benchmarks/bench_decode.py --threads 2           # both sides at 2 threads
+
+The engine and transformers run in one process at the same intra-op thread count: the
+engine platform's (all cores but one) or --threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -119,12 +124,15 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--no-inductor", action="store_true", help="CPU graphs replay the raw trace")
+    p.add_argument("--threads", type=int, help="intra-op threads (DECODEGRAPH_CPU_THREADS)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_decode.json"))
     args = p.parse_args()
+    if args.threads is not None:
+        os.environ["DECODEGRAPH_CPU_THREADS"] = str(args.threads)
 
     results: dict[str, object] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} threads",
+        "machine": f"{platform.node()} {platform.machine()}",
         "torch": torch.__version__,
         "model": args.model,
         "modes": {},
@@ -146,6 +154,9 @@ def main() -> None:
             "num_graphs": runner.capture_stats.num_graphs,
             "batch1_tokens_per_s": 0.0,
         }
+    # Read after the engines' platform set it; transformers below runs at the same count.
+    results["threads"] = torch.get_num_threads()
+    print(f"intra-op threads: {results['threads']}")
     steps: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in engines}
     for _ in range(args.repeats):
         for mode, llm in engines.items():
