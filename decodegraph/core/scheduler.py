@@ -234,42 +234,44 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         block_size = kv.block_size
+        cache_full_blocks, check_stop = kv.cache_full_blocks, self._check_stop
+        running = RequestStatus.RUNNING
         sampled_token_ids = model_output.sampled_token_ids
         logprobs = model_output.logprobs
         num_scheduled = scheduler_output.num_scheduled_tokens
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
-        now: float | None = None
+        now = time.monotonic()
         for i, request in enumerate(scheduler_output.scheduled_requests):
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running:
                 continue  # aborted (or stop string) after schedule(): already freed
-            request.num_computed_tokens += num_scheduled[i]
+            n = num_scheduled[i]
+            request.num_computed_tokens += n
             token_id = sampled_token_ids[i]
             if token_id is None:
-                kv.cache_full_blocks(request)
+                cache_full_blocks(request)
                 continue
-            request.append_output_token(token_id)
-            if now is None:
-                now = time.monotonic()
+            request.output_token_ids.append(token_id)  # Request.append_output_token
+            request.all_token_ids.append(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
             # One new token fills a block only when it lands on the block's last slot.
-            if num_scheduled[i] > 1 or request.num_computed_tokens % block_size == 0:
-                kv.cache_full_blocks(request)
-            finished = self._check_stop(request, token_id)
+            if n > 1 or request.num_computed_tokens % block_size == 0:
+                cache_full_blocks(request)
+            finished = check_stop(request, token_id)
             if finished:
                 stopped.append(request)
             req_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
-                    new_logprobs=[req_logprobs] if req_logprobs is not None else None,
-                    finish_reason=request.status.finish_reason if finished else None,
-                    stop_reason=request.stop_reason,
-                    first_scheduled_time=request.first_scheduled_time,
-                    num_cached_tokens=request.num_cached_tokens,
+                    request.request_id,
+                    [token_id],
+                    [req_logprobs] if req_logprobs is not None else None,
+                    request.status.finish_reason if finished else None,
+                    request.stop_reason,
+                    request.first_scheduled_time,
+                    request.num_cached_tokens,
                 )
             )
         if stopped:

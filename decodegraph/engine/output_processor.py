@@ -26,7 +26,7 @@ class ProcessedOutputs:
     reqs_to_abort: list[str]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _ChildState:
     """One of a parent's n sequences."""
 
@@ -42,7 +42,7 @@ class _ChildState:
     num_sent_logprobs: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _ParentState:
     request_id: str
     prompt: str | None
@@ -136,16 +136,18 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         # Parents touched this step, in first-seen order, with the children touched.
         touched: dict[str, tuple[_ParentState, list[_ChildState]]] = {}
+        find, process_one = self._children.get, self._process_one
+        final_only = RequestOutputKind.FINAL_ONLY
         for out in outputs:
-            entry = self._children.get(out.request_id)
+            entry = find(out.request_id)
             if entry is None:
                 continue  # aborted, or finished by a stop string in an earlier step
             parent, child = entry
             if child.finish_reason is not None:
                 continue
-            if self._process_one(parent, child, out, now):
+            if process_one(parent, child, out, now):
                 reqs_to_abort.append(out.request_id)
-            if parent.num_unfinished and parent.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            if parent.num_unfinished and parent.params.output_kind is final_only:
                 continue  # nothing to show before the end (LLM.generate's case)
             touched.setdefault(parent.request_id, (parent, []))[1].append(child)
 
@@ -163,16 +165,16 @@ class OutputProcessor:
     ) -> bool:
         """Update one child; True when a stop string finished it (the scheduler must be
         told to stop it)."""
-        params = parent.params
+        params, metrics = parent.params, parent.metrics
         new_ids = out.new_token_ids
-        if parent.metrics.first_scheduled_time is None:
-            parent.metrics.first_scheduled_time = out.first_scheduled_time
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = out.first_scheduled_time
         if parent.num_cached_tokens is None and out.first_scheduled_time is not None:
             parent.num_cached_tokens = out.num_cached_tokens
         if new_ids:
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
-            parent.metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
         child.token_ids += new_ids
         if child.logprobs is not None and out.new_logprobs:
             for token_id, entry in zip(new_ids, out.new_logprobs, strict=True):

@@ -48,7 +48,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence being generated (a parent with `n > 1` fans out into n of these)."""
 
