@@ -11,8 +11,9 @@
  *
  * Caches: [num_blocks, num_kv_heads, head_size, block_size], contiguous: within a block,
  *         one head's values of one dimension lie side by side for block_size positions,
- *         so both products run block_size wide (one AVX-512 vector at block size 16)
- *         and the softmax weights scale V without a horizontal sum per position.
+ *         so both products run block_size wide (AVX-512: 16 positions a vector, a block
+ *         of 16 or more positions in vectors of 16) and the softmax weights scale V
+ *         without a horizontal sum per position.
  * q/k/v:  rows of `q_stride` / `k_stride` / `v_stride` values; head h of row r at
  *         r * stride + h * d.
  * query_start_loc: request r's tokens are rows [qsl[r], qsl[r + 1]); rows from
@@ -195,9 +196,10 @@ INLINE void attend_head_bf16(const float *qh, const uint16_t *k_cache, const uin
 enum { MAX_GROUP_ACC = 512, MAX_GROUP = 64 };
 
 AVX512 void attend_group_avx512(const float *q, const float *k_cache, const float *v_cache,
-                           const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
-                           const int64_t d, const int64_t G, const int64_t bs, float scale,
-                           float *__restrict__ sc, int64_t sc_stride, float *o)
+                                const int32_t *bt, int64_t len, int64_t tile_stride,
+                                int64_t tile_off, const int64_t d, const int64_t G,
+                                const int64_t bs, float scale, float *__restrict__ sc,
+                                int64_t sc_stride, float *o)
 {
     __m512 acc[MAX_GROUP_ACC], mv[MAX_GROUP], lv[MAX_GROUP], s[MAX_GROUP];
     for (int64_t j = 0; j < G; j++) {
@@ -271,8 +273,8 @@ __attribute__((target("avx512f"))) static void attend_request_avx512(
             const float *qg = q + h0 * d;
             float *og = o_row + h0 * d;
 #define GROUP(D, NG, BS)                                                                      \
-    attend_group_avx512(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, BS, scale, sc,     \
-                   sc_stride, og)
+    attend_group_avx512(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, BS, scale, sc, \
+                        sc_stride, og)
 #define SHAPES(BS)                                                                            \
     if (d == 8 && G == 1)                                                                     \
         GROUP(8, 1, BS);                                                                      \
@@ -357,9 +359,9 @@ static void attend_row(const void *q_row, void *o_row, const void *k_cache,
 {
 #if DECODEGRAPH_X86
     if (avx512) {
-        attend_request_avx512((const float *)q_row, (const float *)k_cache, (const float *)v_cache,
-                         bt, len, tile_stride, num_heads, g, d, bs, scale, sc, sc_stride,
-                         (float *)o_row);
+        attend_request_avx512((const float *)q_row, (const float *)k_cache,
+                              (const float *)v_cache, bt, len, tile_stride, num_heads, g, d, bs,
+                              scale, sc, sc_stride, (float *)o_row);
         return;
     }
 #endif
