@@ -93,9 +93,14 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    # vLLM's name. The cache holds the model's dtype: "auto", or that dtype's name
+    # (checked against the model in EngineArgs.create_engine_config).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if not isinstance(self.kv_cache_dtype, str):
+            raise ValueError(f"kv_cache_dtype: must be a string, got {self.kv_cache_dtype!r}")
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         _positive("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

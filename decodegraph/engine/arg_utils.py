@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from decodegraph.config import (
     CacheConfig,
     CompilationConfig,
@@ -40,6 +42,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -74,6 +77,11 @@ class EngineArgs:
             default=True,
         )
         g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        g.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            help="auto: the model's dtype (the only KV cache dtype in this release)",
+        )
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument(
@@ -115,6 +123,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -132,6 +141,7 @@ class EngineArgs:
         model_config.model_path = path
         model_config.hf_config = hf_config
         model_config.dtype = parse_dtype(self.dtype, get_config_dtype(hf_config))
+        _check_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
         limit = _context_length(hf_config)
         if model_config.max_model_len is None:
             model_config.max_model_len = limit
@@ -154,6 +164,18 @@ class EngineArgs:
             device_config=device_config,
             enforce_eager=self.enforce_eager,
         )
+
+
+def _check_kv_cache_dtype(value: str, model_dtype: torch.dtype) -> None:
+    """The KV cache holds the model's dtype: accept "auto" or that dtype's name, and say
+    so for anything else (fp8 and other vLLM cache dtypes are not in this release)."""
+    name = str(model_dtype).removeprefix("torch.")
+    if value == "auto" or value == name:
+        return
+    raise ValueError(
+        f"kv_cache_dtype: {value!r} is not supported; the KV cache holds the model's dtype "
+        f"({name}): use 'auto'"
+    )
 
 
 def _context_length(hf_config: Any) -> int:

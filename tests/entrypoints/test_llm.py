@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from decodegraph import LLM, RequestOutput, SamplingParams
 from tests.conftest import STORIES_GREEDY_TEXT
@@ -249,6 +250,26 @@ def test_unsupported_architecture_error_lists_the_supported_ones(
 def test_tensor_parallel_size_2_is_refused_clearly(stories_dir: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(stories_dir), tensor_parallel_size=2, enforce_eager=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
+def test_kv_cache_dtype_auto_or_the_model_dtype_is_accepted(
+    stories_dir: Path, kv_cache_dtype: str
+) -> None:
+    llm = LLM(str(stories_dir), kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+    k_cache, _ = llm.llm_engine.runner.attn_backend.kv_caches[0]
+    assert k_cache.dtype == torch.float32  # stories260K's dtype
+    out = llm.generate({"prompt_token_ids": [1]}, GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].text.startswith("Once upon a time")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2", "bfloat16", "int4"])
+def test_other_kv_cache_dtypes_are_refused_naming_the_field(
+    stories_dir: Path, kv_cache_dtype: str
+) -> None:
+    with pytest.raises(ValueError, match="^kv_cache_dtype:") as info:
+        LLM(str(stories_dir), kv_cache_dtype=kv_cache_dtype, enforce_eager=True)
+    assert "auto" in str(info.value)
 
 
 def test_unknown_llm_keyword_is_a_type_error(stories_dir: Path) -> None:
