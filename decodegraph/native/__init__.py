@@ -43,6 +43,8 @@ _SOURCES = (
     _CSRC / "cpu_ops.cpp",
     _CSRC / "activation.c",
     _CSRC / "paged_attention.c",
+    _CSRC / "paged_attention_avx512.h",
+    _CSRC / "bf16.h",
     _CSRC / "rms_norm.c",
     _CSRC / "rotary_embedding.c",
     _CSRC / "vec.h",

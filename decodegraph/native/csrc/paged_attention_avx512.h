@@ -1,0 +1,198 @@
+/*
+ * The AVX-512 path of paged_attention.c (included there, inside its extern "C" unit):
+ * block sizes that are multiples of 16, float32 or bfloat16 caches, laid out as that
+ * file's top comment says.
+ */
+#ifndef DECODEGRAPH_PAGED_ATTENTION_AVX512_H
+#define DECODEGRAPH_PAGED_ATTENTION_AVX512_H
+
+#include <float.h>
+#include <stdint.h>
+
+#include "bf16.h"
+#include "vec.h"
+
+#if DECODEGRAPH_X86
+/* Attention in AVX-512 for block sizes that are multiples of 16, for the G query heads
+ * that share one KV head (grouped-query attention): each K and V row is loaded once for
+ * all of them. Sixteen positions of a tile row are one register (a block of bs positions
+ * is bs / 16 of them), the running maxima and weight sums stay vertical until the end,
+ * and at constant `d` and `G` with G * d up to ~24 the accumulators live in registers.
+ * Lanes past the context are masked: loaded as 0, scored as -FLT_MAX, weighted 0. The
+ * scores of head j go to sc + j * sc_stride.
+ * bf16 caches (q and o in float32 here) round where attend_head_bf16 does: the raw and
+ * the scaled scores, and the normalised weights (so the weights are normalised before V,
+ * in a pass of their own over the scores). */
+enum { MAX_GROUP_ACC = 512, MAX_GROUP = 64 };
+
+/* Sixteen positions of a tile row as float32, lanes past `live` zero. A bf16 row is
+ * read whole (it lies inside its tile at every block size that is a multiple of 16). */
+AVX512 __m512 load_row16(const void *row, __mmask16 live, const int bf16)
+{
+    if (!bf16)
+        return _mm512_maskz_loadu_ps(live, row);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row));
+    return _mm512_maskz_mov_ps(live, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+}
+
+/* round_bf16 of 16 lanes (round to nearest even; NaN stays NaN). */
+AVX512 __m512 round_bf16_16(__m512 x)
+{
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_mov_epi32(r, nan, quiet), hi));
+}
+
+AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void *v_cache,
+                                const int32_t *bt, int64_t len, int64_t tile_stride,
+                                int64_t tile_off, const int64_t d, const int64_t G,
+                                const int64_t bs, float scale, float *__restrict__ sc,
+                                int64_t sc_stride, float *o, const int bf16)
+{
+    const int64_t elem = bf16 ? 2 : 4;
+    __m512 acc[MAX_GROUP_ACC], mv[MAX_GROUP], lv[MAX_GROUP], s[MAX_GROUP];
+    for (int64_t j = 0; j < G; j++) {
+        mv[j] = _mm512_set1_ps(-FLT_MAX);
+        lv[j] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0, p0 = 0; p0 < len; b++) {
+        const char *kb = (const char *)k_cache + ((int64_t)bt[b] * tile_stride + tile_off) * elem;
+        for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) { /* 16 positions */
+            const char *kt = kb + c * elem;
+            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
+                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            for (int64_t j = 0; j < G; j++)
+                s[j] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i++) {
+                const __m512 k_row = load_row16(kt + i * bs * elem, live, bf16);
+                for (int64_t j = 0; j < G; j++)
+                    s[j] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * d + i]), k_row, s[j]);
+            }
+            for (int64_t j = 0; j < G; j++) {
+                __m512 x;
+                if (bf16)
+                    x = round_bf16_16(_mm512_mul_ps(round_bf16_16(s[j]), _mm512_set1_ps(scale)));
+                else
+                    x = _mm512_mul_ps(s[j], _mm512_set1_ps(scale));
+                x = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), live, x);
+                _mm512_storeu_ps(sc + j * sc_stride + p0, x);
+                mv[j] = _mm512_max_ps(mv[j], x);
+            }
+        }
+    }
+    for (int64_t j = 0; j < G; j++)
+        mv[j] = _mm512_set1_ps(_mm512_reduce_max_ps(mv[j]));
+    __m512 total[MAX_GROUP];
+    if (bf16) { /* the weights' sums first: bf16 normalises each weight before V */
+        for (int64_t p0 = 0; p0 < len; p0 += 16) {
+            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
+                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            for (int64_t j = 0; j < G; j++) {
+                float *x = sc + j * sc_stride + p0;
+                const __m512 e =
+                    _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(x), mv[j])));
+                _mm512_storeu_ps(x, e);
+                lv[j] = _mm512_add_ps(lv[j], e);
+            }
+        }
+        for (int64_t j = 0; j < G; j++)
+            total[j] = _mm512_set1_ps(_mm512_reduce_add_ps(lv[j]));
+    }
+    for (int64_t i = 0; i < G * d; i++)
+        acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0, p0 = 0; p0 < len; b++) {
+        const char *vb = (const char *)v_cache + ((int64_t)bt[b] * tile_stride + tile_off) * elem;
+        for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) {
+            const char *vt = vb + c * elem;
+            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
+                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            for (int64_t j = 0; j < G; j++) {
+                const __m512 x = _mm512_loadu_ps(sc + j * sc_stride + p0);
+                if (bf16) {
+                    s[j] = round_bf16_16(_mm512_div_ps(x, total[j]));
+                } else {
+                    s[j] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, mv[j])));
+                    lv[j] = _mm512_add_ps(lv[j], s[j]);
+                }
+            }
+            for (int64_t i = 0; i < d; i++) {
+                const __m512 v_row = load_row16(vt + i * bs * elem, live, bf16);
+                for (int64_t j = 0; j < G; j++)
+                    acc[j * d + i] = _mm512_fmadd_ps(s[j], v_row, acc[j * d + i]);
+            }
+        }
+    }
+    for (int64_t j = 0; j < G; j++) {
+        const float inv = bf16 ? 1.f : 1.f / _mm512_reduce_add_ps(lv[j]);
+        for (int64_t i = 0; i < d; i++)
+            o[j * d + i] = _mm512_reduce_add_ps(acc[j * d + i]) * inv;
+    }
+}
+
+/* One token's row at a block size that is a multiple of 16: each KV head with its query
+ * heads, in groups of at most MAX_GROUP_ACC / d heads (all of them, for every model we
+ * know). float32 shapes we know get constant d and G, at block size 16 and at any other.
+ * bf16 rows are converted to float32 per group, and the output rounded back. */
+__attribute__((target("avx512f"))) static void attend_request_avx512(
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *bt, int64_t len,
+    int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, int64_t bs, float scale,
+    float *sc, int64_t sc_stride, void *o_row, int bf16)
+{
+    const int64_t tile = d * bs, max_g = MAX_GROUP_ACC / d < MAX_GROUP ? MAX_GROUP_ACC / d
+                                                                        : MAX_GROUP;
+    float qf[MAX_GROUP_ACC], of[MAX_GROUP_ACC];
+    for (int64_t h = 0; h < num_heads; h += g) {
+        const int64_t off = (h / g) * tile;
+        for (int64_t h0 = h; h0 < h + g; h0 += max_g) {
+            const int64_t G = h + g - h0 < max_g ? h + g - h0 : max_g;
+            if (bf16) {
+                const uint16_t *qh = (const uint16_t *)q + h0 * d;
+                for (int64_t i = 0; i < G * d; i++)
+                    qf[i] = bf16_to_f32(qh[i]);
+                if (bs == 16)
+                    attend_group_avx512(qf, k_cache, v_cache, bt, len, tile_stride, off, d, G, 16,
+                                        scale, sc, sc_stride, of, 1);
+                else
+                    attend_group_avx512(qf, k_cache, v_cache, bt, len, tile_stride, off, d, G, bs,
+                                        scale, sc, sc_stride, of, 1);
+                for (int64_t i = 0; i < G * d; i++)
+                    ((uint16_t *)o_row)[h0 * d + i] = f32_to_bf16(of[i]);
+                continue;
+            }
+            const float *qg = (const float *)q + h0 * d;
+            float *og = (float *)o_row + h0 * d;
+#define GROUP(D, NG, BS)                                                                      \
+    attend_group_avx512(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, BS, scale, sc, \
+                        sc_stride, og, 0)
+#define SHAPES(BS)                                                                            \
+    if (d == 8 && G == 1)                                                                     \
+        GROUP(8, 1, BS);                                                                      \
+    else if (d == 8 && G == 2)                                                                \
+        GROUP(8, 2, BS);                                                                      \
+    else if (d == 8 && G == 4)                                                                \
+        GROUP(8, 4, BS);                                                                      \
+    else if (d == 16 && G == 1)                                                               \
+        GROUP(16, 1, BS);                                                                     \
+    else if (d == 16 && G == 2)                                                               \
+        GROUP(16, 2, BS);                                                                     \
+    else if (d == 64 && G == 1)                                                               \
+        GROUP(64, 1, BS);                                                                     \
+    else                                                                                      \
+        GROUP(d, G, BS)
+            if (bs == 16)
+                SHAPES(16);
+            else
+                SHAPES(bs);
+#undef SHAPES
+#undef GROUP
+        }
+    }
+}
+
+#endif /* DECODEGRAPH_X86 */
+
+#endif
