@@ -389,6 +389,8 @@ class ModelRunner:
             sampling_reqs = [so.scheduled_requests[i] for i in rows]
             if len(rows) != logits.shape[0]:
                 logits = logits[rows]
+                if greedy_ids is not None:
+                    greedy_ids = greedy_ids[rows]
             meta = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, self.device)
             if greedy_ids is not None and meta.is_fast_greedy:
                 # The graph's argmax: the sampler's greedy rule (first maximum).

@@ -40,6 +40,9 @@ CONFIGS: dict[str, dict[str, object]] = {
         "max_num_batched_tokens": 16,
         "num_gpu_blocks_override": 12,
     },
+    # 15 decodes fill all but one token of the budget: a long prompt is fed one token per
+    # step, so uniform one-token batches hold a row that does not sample.
+    "one-token-chunks": {"max_model_len": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16},
 }
 
 
@@ -377,6 +380,29 @@ def test_full_decode_graphs_give_greedy_ids_and_the_sampler_runs_otherwise(
         runner.sampler = sampler
     assert greedy_calls <= 1  # the prefill step only
     assert len(calls) - greedy_calls >= 11  # every step of the sampled run
+
+
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_full_decode_graph_batches_with_a_row_that_does_not_sample_match_mode_none(
+    engine: Callable[..., LLM], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A uniform batch of 16 one-token rows, one of them a prompt chunk short of its end:
+    the full decode graph's greedy ids are taken for the sampling rows only."""
+    llm = engine("stories", mode, "one-token-chunks")
+    runner = llm.llm_engine.runner
+    batches: list[tuple[int, int]] = []
+    prepare = runner._prepare
+
+    def spy(so):  # noqa: ANN001, ANN202
+        step = prepare(so)
+        batches.append((step.num_reqs, len(step.sample_rows)))
+        return step
+
+    monkeypatch.setattr(runner, "_prepare", spy)
+    prompts = _prompts("stories", 15, (1, 3), seed=5) + _prompts("stories", 1, (30, 30), seed=6)
+    expected = _run(engine("stories", "NONE", "one-token-chunks"), prompts, 24)
+    assert _run(llm, prompts, 24) == expected
+    assert (16, 15) in batches
 
 
 def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path) -> None:
