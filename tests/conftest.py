@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
@@ -35,3 +37,11 @@ def cpu_ops() -> object:
             pytest.fail("a C++ compiler is here but the CPU operators did not build")
         pytest.skip("the CPU operators cannot be built here (no C++ compiler)")
     return ops
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    """For tests that change torch's intra-op thread count: put it back afterwards."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

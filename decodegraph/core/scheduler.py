@@ -251,8 +251,7 @@ class Scheduler:
             if token_id is None:
                 cache_full_blocks(request)
                 continue
-            request.output_token_ids.append(token_id)  # Request.append_output_token
-            request.all_token_ids.append(token_id)
+            request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now
@@ -265,13 +264,13 @@ class Scheduler:
             req_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
-                    request.request_id,
-                    [token_id],
-                    [req_logprobs] if req_logprobs is not None else None,
-                    request.status.finish_reason if finished else None,
-                    request.stop_reason,
-                    request.first_scheduled_time,
-                    request.num_cached_tokens,
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[req_logprobs] if req_logprobs is not None else None,
+                    finish_reason=request.status.finish_reason if finished else None,
+                    stop_reason=request.stop_reason,
+                    first_scheduled_time=request.first_scheduled_time,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         if stopped:

@@ -39,15 +39,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
+# cpu_ops.cpp includes every other file of csrc/ (all of them key the build cache).
 _SOURCES = (
     _CSRC / "cpu_ops.cpp",
-    _CSRC / "activation.c",
-    _CSRC / "paged_attention.c",
-    _CSRC / "paged_attention_avx512.h",
-    _CSRC / "bf16.h",
-    _CSRC / "rms_norm.c",
-    _CSRC / "rotary_embedding.c",
-    _CSRC / "vec.h",
+    *sorted(p for p in _CSRC.iterdir() if p.suffix in (".c", ".h")),
 )
 # -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
 # with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.

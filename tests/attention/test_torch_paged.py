@@ -280,23 +280,19 @@ def test_decode_and_mixed_batches_at_block_sizes_above_16(kernel: str, block_siz
 _LARGE_STEP = [(0, 40), (99, 1), (120, 1), (60, 1), (200, 1), (15, 20)]
 
 
-def test_a_large_step_split_over_threads_gives_the_same_bits() -> None:
+def test_a_large_step_split_over_threads_gives_the_same_bits(restore_threads: None) -> None:
     require_native_op()
-    threads = torch.get_num_threads()
     outs = []
-    try:
-        # Workspaces for 1 and for 3 threads, then one for 1 thread run at 4 threads
-        # (the operator uses no more workspace rows than it has).
-        for allocate, run_at in ((1, 1), (3, 3), (1, 4)):
-            torch.set_num_threads(allocate)
-            backend = make_backend("native", 16, 4, 64, block_size=16, max_model_len=256)
-            torch.set_num_threads(run_at)
-            case = make_case(backend, _LARGE_STEP)
-            out = run(case)
-            check(case, out)
-            outs.append(out)
-    finally:
-        torch.set_num_threads(threads)
+    # Workspaces for 1 and for 3 threads, then one for 1 thread run at 4 threads (the
+    # operator uses no more workspace rows than it has).
+    for allocate, run_at in ((1, 1), (3, 3), (1, 4)):
+        torch.set_num_threads(allocate)
+        backend = make_backend("native", 16, 4, 64, block_size=16, max_model_len=256)
+        torch.set_num_threads(run_at)
+        case = make_case(backend, _LARGE_STEP)
+        out = run(case)
+        check(case, out)
+        outs.append(out)
     assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 

@@ -120,22 +120,18 @@ def test_large_decode_batches_beside_one_token_prefill_chunks_do_not_change_ids(
 
 
 def test_two_intra_op_threads_give_the_ids_of_one(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, restore_threads: None
 ) -> None:
     """The prefill step of 64 prompts is large enough for the attention operator to split
     its requests, and the row-wise operators their rows, over two threads: same ids."""
     prompts = [prompt(20 + i % 13, i) for i in range(64)]
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    threads = torch.get_num_threads()
     ids = []
-    try:
-        for n in (1, 2):
-            monkeypatch.setenv("DECODEGRAPH_CPU_THREADS", str(n))
-            engine = make_engine(stories_dir, max_num_seqs=64)
-            assert torch.get_num_threads() == n
-            ids.append(ids_of(run(engine, prompts, params)[0]))
-    finally:
-        torch.set_num_threads(threads)
+    for n in (1, 2):
+        monkeypatch.setenv("DECODEGRAPH_CPU_THREADS", str(n))
+        engine = make_engine(stories_dir, max_num_seqs=64)
+        assert torch.get_num_threads() == n
+        ids.append(ids_of(run(engine, prompts, params)[0]))
     assert ids[0] == ids[1]
 
 

@@ -27,19 +27,15 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
 
 @pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_embedding"])
 def test_row_wise_operators_give_the_same_bits_on_any_number_of_threads(
-    cpu_ops: object, op: str
+    cpu_ops: object, op: str, restore_threads: None
 ) -> None:
     run = _ops(cpu_ops)[op]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = run()
-        results = []
-        for n in (2, 3):
-            torch.set_num_threads(n)
-            results.append(run())
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    want = run()
+    results = []
+    for n in (2, 3):
+        torch.set_num_threads(n)
+        results.append(run())
     for got in results:
         for a, b in zip(
             want if isinstance(want, tuple) else (want,),
