@@ -130,8 +130,10 @@ def make_case(
     pad_tokens: int = 0,
     pad_reqs: int = 0,
     seed: int = 0,
+    key_scale: float = 1.0,
 ) -> Case:
-    """`reqs` holds (context already cached, new tokens) per request."""
+    """`reqs` holds (context already cached, new tokens) per request; keys are standard
+    normal times `key_scale`."""
     gen = torch.Generator().manual_seed(seed)
     h, kvh, d, bs = backend.num_heads, backend.num_kv_heads, backend.head_size, backend.block_size
     k_tokens, v_tokens = token_slots(backend, layer_idx)
@@ -155,7 +157,7 @@ def make_case(
         start = qsl[-1]
         qsl.append(start + n)
         req_slots = [blocks[p // bs] * bs + p % bs for p in range(length)]
-        k_dense = torch.randn(length, kvh, d, generator=gen)
+        k_dense = torch.randn(length, kvh, d, generator=gen) * key_scale
         v_dense = torch.randn(length, kvh, d, generator=gen)
         for p in range(context):  # the cached context
             k_tokens[req_slots[p]] = k_dense[p]
@@ -451,6 +453,19 @@ def test_the_native_operator_refuses_metadata_outside_its_tensors(bad: str) -> N
 def test_loading_the_native_operator_keeps_ieee_subnormals() -> None:
     # A library linked with -ffast-math would switch the process to flush-to-zero.
     require_native_op()
+    assert sys.float_info.min / 4 > 0.0
+
+
+def test_softmax_weights_below_the_normal_range_and_the_threads_fp_mode() -> None:
+    """Keys 40x larger put most scores 100+ below their row's maximum: their weights and
+    products are subnormal, which the kernel flushes to zero while it runs (they are
+    below 2**-126 of the largest term), and the calling thread computes subnormals
+    again afterwards."""
+    require_native_op()
+    backend = make_backend("native", 8, 2, 8, block_size=16, max_model_len=128)
+    case = make_case(backend, [(n - 1, 1) for n in [128, 77, 3]] + [(20, 30)], key_scale=40.0)
+    check(case, run(case))
+    assert torch.tensor([1e-39]).mul(1.0).item() > 0.0
     assert sys.float_info.min / 4 > 0.0
 
 

@@ -306,6 +306,7 @@ void paged_attention_requests(const struct paged_attention_step *a, int64_t r0, 
     const size_t row_bytes = (size_t)(a->num_heads * d) * elem;
     float *sc = work, *acc = work + g * a->max_len;
     const int avx512 = bs % 16 == 0 && d <= 512 && use_avx512();
+    const unsigned int fp_mode = flush_denormals();
     for (int64_t r = r0; r < r1; r++) {
         const int32_t *bt = a->block_tables + r * a->bt_stride;
         const int64_t first = a->query_start_loc[r], end = a->query_start_loc[r + 1];
@@ -317,4 +318,5 @@ void paged_attention_requests(const struct paged_attention_step *a, int64_t r0, 
                        a->num_kv_heads * d * bs, a->scale, sc, a->max_len, acc, avx512,
                        a->bf16);
     }
+    restore_fp_mode(fp_mode);
 }
