@@ -140,13 +140,25 @@ def test_cache_is_in_the_default_dtype_at_construction() -> None:
     assert rope.cos_sin_cache.shape == (16, 2, HEAD_DIM)
 
 
-def test_the_native_rotation_equals_the_tensor_formula_bit_for_bit(cpu_ops: object) -> None:
-    """On the strided heads a stacked qkv projection gives (q and k heads side by side)."""
-    rope = get_rope(HEAD_DIM, 512, get_rope_parameters(config_for(ROPES["llama3"])))
-    qkv = torch.randn(6, 7 * HEAD_DIM) * 5
-    x = qkv[:, : 6 * HEAD_DIM].view(6, 6, HEAD_DIM)
+@pytest.mark.parametrize(
+    "head_dim, heads",
+    [(HEAD_DIM, 6), (8, 12), (8, 3), (4, 5), (16, 3), (64, 2), (128, 3), (48, 2)],
+    ids=str,
+)
+@pytest.mark.parametrize("adjacent_heads", [True, False])
+def test_the_native_rotation_equals_the_tensor_formula_bit_for_bit(
+    cpu_ops: object, head_dim: int, heads: int, adjacent_heads: bool
+) -> None:
+    """On the strided rows a stacked qkv projection gives (q and k heads side by side),
+    and on heads further apart (per-head norms' outputs are not always adjacent): head
+    sizes whose heads pack a vector (4, 8, 16), whose halves fill vectors (64, 128), and
+    neither (48); head counts that leave a partial vector."""
+    rope = get_rope(head_dim, 512, get_rope_parameters(config_for(ROPES["llama3"])))
+    stride = head_dim if adjacent_heads else 2 * head_dim
+    qkv = torch.randn(6, (heads + 1) * stride) * 5
+    x = qkv[:, : heads * stride].view(6, heads, stride)[:, :, :head_dim]
     cos, sin = rope.get_cos_sin(torch.tensor([0, 3, 9, 100, 256, 511]))
-    want = x * cos + torch.roll(x, HEAD_DIM // 2, -1) * sin
+    want = x * cos + torch.roll(x, head_dim // 2, -1) * sin
     assert torch.equal(cpu_ops.rotary_embedding(x, cos, sin), want)
 
 
