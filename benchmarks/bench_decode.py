@@ -6,9 +6,12 @@ Measures on one model (stories260K by default):
   over the median decode-step time;
 - the engine's own per-step work at batch 1 (median step time minus median forward);
 - start-up seconds, capture seconds and graph count per mode;
-- throughput of --num-requests requests x --batch-tokens tokens per mode (median of
-  --throughput-repeats runs, as for transformers);
-- transformers `generate()` at batch 1 and on the batched run, on the same weights.
+- throughput of --num-requests requests x --batch-tokens tokens per mode, and of
+  transformers `generate()` on the same batch, in --throughput-repeats rounds that run
+  every mode and transformers once each: medians, and per mode the median over rounds
+  of its tokens/s over transformers' in the same round (a noisy phase of this shared
+  machine then hits both sides of a ratio);
+- transformers `generate()` at batch 1, on the same weights.
 
 Prints a table and saves JSON under benchmarks/results/.
 
@@ -74,42 +77,47 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
     return step_times[1:], forward_times[1:]
 
 
-def _throughput(llm: LLM, num_requests: int, tokens: int, repeats: int) -> float:
-    """Median tokens/s of `repeats` runs of the batched workload."""
+def _batch_prompt(i: int) -> list[int]:
+    """Prompt i of the batched workload (both sides): BOS and one token."""
+    return [1, (7 * i) % 400 + 30]
+
+
+def _throughput(llm: LLM, num_requests: int, tokens: int) -> float:
+    """Tokens/s of one run of the batched workload."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [1] + [(7 * i) % 400 + 30]} for i in range(num_requests)]
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-    return statistics.median(rates)
+    prompts = [{"prompt_token_ids": _batch_prompt(i)} for i in range(num_requests)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
-def _hf(
-    model_dir: Path, tokens: int, num_requests: int, batch_tokens: int, repeats: int
-) -> dict[str, float]:
+_HF_GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def _hf_model(model_dir: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def _hf_batch1(model: torch.nn.Module, tokens: int) -> float:
+    """transformers' batch-1 tokens/s (after a warm-up run)."""
     ids = torch.tensor([[1]])
-    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-        b1 = tokens / (time.perf_counter() - start)
-        batch = torch.tensor([[1, (7 * i) % 400 + 30] for i in range(num_requests)])
-        rates = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.generate(
-                batch, max_new_tokens=batch_tokens, min_new_tokens=batch_tokens, **kwargs
-            )
-            rates.append(num_requests * batch_tokens / (time.perf_counter() - start))
-        batched = statistics.median(rates)
-    return {"batch1_tokens_per_s": b1, "batched_tokens_per_s": batched}
+    model.generate(ids, max_new_tokens=8, min_new_tokens=8, **_HF_GREEDY)
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **_HF_GREEDY)
+    return tokens / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def _hf_throughput(model: torch.nn.Module, num_requests: int, tokens: int) -> float:
+    """transformers' tokens/s on one run of the batched workload."""
+    batch = torch.tensor([_batch_prompt(i) for i in range(num_requests)])
+    start = time.perf_counter()
+    model.generate(batch, max_new_tokens=tokens, min_new_tokens=tokens, **_HF_GREEDY)
+    return num_requests * tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -120,7 +128,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8, help="interleaved rounds")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=200)
-    p.add_argument("--throughput-repeats", type=int, default=3, help="median of this many")
+    p.add_argument("--throughput-repeats", type=int, default=5, help="rounds (medians)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--no-inductor", action="store_true", help="CPU graphs replay the raw trace")
@@ -163,7 +171,7 @@ def main() -> None:
             step_times, forward_times = _decode_steps(llm, args.tokens)
             steps[mode][0].extend(step_times)
             steps[mode][1].extend(forward_times)
-    for mode, llm in engines.items():
+    for mode in engines:
         row = results["modes"][mode]
         step = statistics.median(steps[mode][0])
         forward = statistics.median(steps[mode][1])
@@ -171,41 +179,55 @@ def main() -> None:
         row["step_us"] = step * 1e6
         row["forward_us"] = forward * 1e6
         row["overhead_us"] = (step - forward) * 1e6
-        if not args.skip_throughput:
-            row["batched_tokens_per_s"] = _throughput(
-                llm, args.num_requests, args.batch_tokens, args.throughput_repeats
-            )
-        print(
-            mode,
-            json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
-        )
+    hf_model = None
     if not args.skip_hf:
-        results["transformers"] = _hf(
-            Path(args.model),
-            args.tokens,
-            args.num_requests,
-            args.batch_tokens,
-            args.throughput_repeats,
-        )
+        hf_model = _hf_model(Path(args.model))
+        results["transformers"] = {"batch1_tokens_per_s": _hf_batch1(hf_model, args.tokens)}
+    if not args.skip_throughput:
+        rates: dict[str, list[float]] = {m: [] for m in engines}
+        hf_rates: list[float] = []
+        for _ in range(args.throughput_repeats):
+            for mode, llm in engines.items():
+                rates[mode].append(_throughput(llm, args.num_requests, args.batch_tokens))
+            if hf_model is not None:
+                hf_rates.append(_hf_throughput(hf_model, args.num_requests, args.batch_tokens))
+        for mode in engines:
+            row = results["modes"][mode]
+            row["batched_tokens_per_s"] = statistics.median(rates[mode])
+            row["batched_rounds"] = rates[mode]
+            if hf_rates:
+                row["batched_x_transformers"] = statistics.median(
+                    r / h for r, h in zip(rates[mode], hf_rates, strict=True)
+                )
+        if hf_rates:
+            results["transformers"]["batched_tokens_per_s"] = statistics.median(hf_rates)
+            results["transformers"]["batched_rounds"] = hf_rates
+    for mode in engines:
+        row = results["modes"][mode]
+        shown = {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+        print(mode, json.dumps(shown))
+    if "transformers" in results:
         print("transformers", json.dumps(results["transformers"]))
 
+    nan = float("nan")
     print(
         f"\n{'mode':<20}{'b1 tok/s':>10}{'x NONE':>8}{'step us':>9}{'other us':>9}"
-        f"{'batched tok/s':>15}{'startup s':>11}{'graphs':>8}"
+        f"{'batched tok/s':>15}{'x HF':>7}{'startup s':>11}{'graphs':>8}"
     )
     base = results["modes"].get("NONE", {}).get("batch1_tokens_per_s")
     for mode, row in results["modes"].items():
-        ratio = row["batch1_tokens_per_s"] / base if base else float("nan")
+        ratio = row["batch1_tokens_per_s"] / base if base else nan
         print(
             f"{mode:<20}{row['batch1_tokens_per_s']:>10.0f}{ratio:>8.2f}{row['step_us']:>9.0f}"
-            f"{row['overhead_us']:>9.0f}{row.get('batched_tokens_per_s', float('nan')):>15.0f}"
+            f"{row['overhead_us']:>9.0f}{row.get('batched_tokens_per_s', nan):>15.0f}"
+            f"{row.get('batched_x_transformers', nan):>7.2f}"
             f"{row['startup_s']:>11.1f}{row['num_graphs']:>8}"
         )
     if "transformers" in results:
         hf = results["transformers"]
         print(
             f"{'transformers':<20}{hf['batch1_tokens_per_s']:>10.0f}{'':>8}{'':>9}{'':>9}"
-            f"{hf['batched_tokens_per_s']:>15.0f}"
+            f"{hf.get('batched_tokens_per_s', nan):>15.0f}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
