@@ -111,6 +111,7 @@ def get_model(
                 "%s has no weights: using random ones (text will be noise)", model_config.model
             )
         initialize_dummy_weights(model, model_config.seed)
+        process_weights_after_loading(model)
         return model
     if path is None:
         path = resolve_model_path(model_config.model, model_config.revision)
@@ -121,7 +122,16 @@ def get_model(
             f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
         )
         raise ValueError(f"checkpoint {path} is missing weights: {shown}")
+    process_weights_after_loading(model)
     return model
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer that has the hook (vLLM's name) prepare its loaded weights."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
 
 
 def list_safetensors_files(path: Path) -> list[Path]:

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from decodegraph.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from decodegraph.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+)
 
 
 def test_qkv_weight_loader_stacks_q_k_v_in_order() -> None:
@@ -26,3 +31,23 @@ def test_merged_weight_loader_rejects_a_wrong_shape() -> None:
     layer = MergedColumnParallelLinear(8, [6, 6])
     with pytest.raises(ValueError, match=r"shard 1.*expected \(6, 8\).*\(5, 8\)"):
         layer.weight_loader(layer.weight, torch.zeros(5, 8), 1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_after_loading_a_forward_is_one_mm_with_the_bits_of_f_linear(bias: bool) -> None:
+    layer = ReplicatedLinear(8, 6, bias)
+    layer.weight.data.copy_(torch.randn(6, 8))
+    if bias:
+        layer.bias.data.copy_(torch.randn(6))
+    x = torch.randn(5, 8)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert torch.equal(layer(x), want)  # before the hook: F.linear itself
+    layer.process_weights_after_loading()
+    with torch.profiler.profile() as prof:
+        out = layer(x)
+    names = {e.name for e in prof.events()}
+    assert "aten::linear" not in names and ("aten::addmm" if bias else "aten::mm") in names
+    assert torch.equal(out, want)
+    layer.weight.data.mul_(2)  # weights changed in place afterwards: still seen
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer(x[None]), F.linear(x[None], layer.weight, layer.bias))  # 3-D

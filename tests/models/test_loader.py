@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from decodegraph.config import ModelConfig, parse_dtype
+from decodegraph.layers.linear import ReplicatedLinear
 from decodegraph.models.loader import (
     get_config_dtype,
     get_model,
@@ -121,6 +122,15 @@ def test_dummy_weights_need_no_files_and_are_seeded(tmp_path: Path) -> None:
             assert bool((pa == 0).all()), name
         else:
             assert 0.01 < float(pa.std()) < 0.03, name
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_loaded_linear_layers_are_processed_after_loading(tmp_path: Path, load_format: str) -> None:
+    model = build(str(make_checkpoint(tmp_path, "qwen2")), load_format)
+    layers = [m for m in model.modules() if isinstance(m, ReplicatedLinear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers
+    for layer in layers:
+        assert layer.weight_t is not None and torch.equal(layer.weight_t, layer.weight.t())
 
 
 def test_preset_builds_with_dummy_weights_in_the_requested_dtype() -> None:
