@@ -77,6 +77,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(); handed to the runner then.
         self.finished_req_ids: set[str] = set()
+        # Tokens sampled and appended so far (counted per step, whenever they are shown).
+        self.num_generated_tokens = 0
 
     # -- requests in and out -------------------------------------------------------
 
@@ -229,8 +231,9 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, apply stop rules.
 
-        Returns one `EngineCoreOutput` per request that got a token or finished.
-        Requests finished from outside since `schedule()` are skipped.
+        Returns one `EngineCoreOutput` per request that got a token or finished, except
+        that a request with `final_output_only` gets one only when it finishes, carrying
+        all its tokens. Requests finished from outside since `schedule()` are skipped.
         """
         kv = self.kv_cache_manager
         block_size = kv.block_size
@@ -241,6 +244,7 @@ class Scheduler:
         num_scheduled = scheduler_output.num_scheduled_tokens
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
+        num_generated = 0
         now = time.monotonic()
         for i, request in enumerate(scheduler_output.scheduled_requests):
             if request.status != running:
@@ -258,9 +262,24 @@ class Scheduler:
             # One new token fills a block only when it lands on the block's last slot.
             if n > 1 or request.num_computed_tokens % block_size == 0:
                 cache_full_blocks(request)
+            num_generated += 1
             finished = check_stop(request, token_id)
             if finished:
                 stopped.append(request)
+            if request.final_output_only:
+                if finished:  # its one output, with every token
+                    outputs.append(
+                        EngineCoreOutput(
+                            request_id=request.request_id,
+                            new_token_ids=list(request.output_token_ids),
+                            finish_reason=request.status.finish_reason,
+                            stop_reason=request.stop_reason,
+                            first_scheduled_time=request.first_scheduled_time,
+                            num_cached_tokens=request.num_cached_tokens,
+                            first_token_time=request.first_token_time,
+                        )
+                    )
+                continue
             req_logprobs = logprobs[i] if logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
@@ -273,6 +292,7 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
+        self.num_generated_tokens += num_generated
         if stopped:
             stopped_set = set(stopped)
             self.running = [r for r in self.running if r not in stopped_set]

@@ -81,7 +81,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
         self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -261,8 +260,6 @@ class LLMEngine:
             return []
         runner_out = self.runner.execute_model(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        for out in core_outputs:
-            self._generation_tokens_total += len(out.new_token_ids)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
@@ -282,7 +279,7 @@ class LLMEngine:
             num_free_blocks=kv.num_free_blocks,
             num_blocks=self.runner.num_blocks - 1,
             prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
+            generation_tokens_total=self.scheduler.num_generated_tokens,
             graph_runs=graph_runs,
             mode_counts=dict(self.runner.mode_counts),
             prefix_cache_queries=kv.prefix_cache_queries,

@@ -173,7 +173,7 @@ class OutputProcessor:
             parent.num_cached_tokens = out.num_cached_tokens
         if new_ids:
             if metrics.first_token_time is None:
-                metrics.first_token_time = now
+                metrics.first_token_time = out.first_token_time or now
             metrics.last_token_time = now
         child.token_ids += new_ids
         if child.logprobs is not None and out.new_logprobs:

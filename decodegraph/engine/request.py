@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from decodegraph.sampling_params import RequestOutputKind
+
 if TYPE_CHECKING:
     import torch
 
@@ -75,10 +77,20 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # Nothing is shown before the end (output_kind FINAL_ONLY, as LLM.generate runs) and
+    # no per-token work waits on each token (stop strings, logprobs): the scheduler then
+    # emits one output, when the request finishes, with every token.
+    final_output_only: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        params = self.sampling_params
+        self.final_output_only = (
+            params.output_kind is RequestOutputKind.FINAL_ONLY
+            and not params.stop
+            and params.logprobs is None
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -117,3 +129,6 @@ class EngineCoreOutput:
     # then; both are fixed from the first output on (they feed `RequestOutput`).
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
+    # When its first token was sampled: set on the one output of a request with
+    # `final_output_only` (others' first output arrives with their first token).
+    first_token_time: float | None = None

@@ -16,7 +16,7 @@ from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.engine.request import EngineCoreOutput, Request, RequestStatus
 from decodegraph.outputs import Logprob
-from decodegraph.sampling_params import SamplingParams
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
 BLOCK_SIZE = 4
 
@@ -387,3 +387,50 @@ def test_every_block_is_free_after_a_mixed_workload() -> None:
     run_to_completion(sched, model)
     assert all(r.is_finished for r in reqs)
     assert_all_blocks_free(sched)
+
+
+def _outputs_per_step(**params) -> tuple[Request, list[list[EngineCoreOutput]], list[int]]:
+    """Run one request to the end: its outputs per step and the generated-token count
+    after each step."""
+    sched, model = make_scheduler()
+    req = make_request("a", [1, 2, 3], eos=None, **params)
+    sched.add_request(req)
+    outputs, counts = [], []
+    while sched.has_unfinished_requests():
+        outputs.append(step(sched, model)[1])
+        counts.append(sched.num_generated_tokens)
+    return req, outputs, counts
+
+
+def test_a_final_output_only_request_gets_one_output_with_every_token() -> None:
+    """FINAL_ONLY without stop strings or logprobs (LLM.generate's requests): nothing
+    per step, then one output with all tokens, the finish reason and the first token's
+    time; the generated-token count still advances every step."""
+    final_only = RequestOutputKind.FINAL_ONLY
+    req, outputs, counts = _outputs_per_step(max_tokens=5, output_kind=final_only)
+    assert req.final_output_only
+    assert [len(o) for o in outputs] == [0, 0, 0, 0, 1]
+    (out,) = outputs[-1]
+    assert out.new_token_ids == req.output_token_ids and len(out.new_token_ids) == 5
+    assert out.finish_reason == "length" and out.first_token_time == req.first_token_time
+    assert out.first_token_time is not None and out.first_token_time < req.last_token_time
+    assert counts == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},  # CUMULATIVE, the default
+        {"output_kind": RequestOutputKind.DELTA},
+        {"output_kind": RequestOutputKind.FINAL_ONLY, "stop": ["x"]},  # checked per token
+        {"output_kind": RequestOutputKind.FINAL_ONLY, "logprobs": 1},
+    ],
+    ids=["cumulative", "delta", "final-with-stop", "final-with-logprobs"],
+)
+def test_other_requests_get_an_output_per_token(params: dict) -> None:
+    req, outputs, counts = _outputs_per_step(max_tokens=5, **params)
+    assert not req.final_output_only
+    assert [[o.new_token_ids for o in step_outs] for step_outs in outputs] == [
+        [[t]] for t in req.output_token_ids
+    ]
+    assert counts == [1, 2, 3, 4, 5]

@@ -17,6 +17,7 @@ import torch
 from decodegraph import LLM, RequestOutput, SamplingParams
 from decodegraph.engine.llm_engine import LLMEngine
 from decodegraph.engine.request import Request
+from decodegraph.sampling_params import RequestOutputKind
 from tests.utils.checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -361,3 +362,33 @@ def test_stop_strings_without_a_tokenizer_are_refused(eos_llm: tuple[LLM, list[i
     with pytest.raises(ValueError, match="^stop: .*tokenizer"):
         llm.generate({"prompt_token_ids": EOS_PROMPT}, SamplingParams(stop=["x"]), use_tqdm=False)
     assert_all_blocks_free(llm.llm_engine)
+
+
+def test_final_only_requests_show_nothing_until_the_end_and_match_cumulative(
+    ref: LLMEngine,
+) -> None:
+    """LLM.generate's requests (FINAL_ONLY, no stop strings, no logprobs) pass through
+    the scheduler and the output processor once, at the end: same ids, text, finish
+    reason and timings' order as a CUMULATIVE run, and the generated-token statistic
+    (Prometheus' generation_tokens) still advances every step."""
+    prompts = [prompt(9), prompt(5, offset=11)]
+    cumulative, _, _ = run(ref, prompts)
+    final_only = RequestOutputKind.FINAL_ONLY
+    final = SamplingParams(temperature=0.0, max_tokens=24, output_kind=final_only)
+    for i, p in enumerate(prompts):
+        ref.add_request(f"f{i}", {"prompt_token_ids": p}, final)
+    before = ref.get_stats().generation_tokens_total
+    shown: list[RequestOutput] = []
+    counts = []
+    while ref.has_unfinished_requests():
+        shown += ref.step()
+        counts.append(ref.get_stats().generation_tokens_total - before)
+    assert counts[:3] == [2, 4, 6] and counts[-1] == 48
+    assert [o.request_id for o in shown] == ["f0", "f1"] and all(o.finished for o in shown)
+    for got, want in zip(shown, cumulative, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].text == want.outputs[0].text
+        assert got.outputs[0].finish_reason == want.outputs[0].finish_reason == "length"
+        m = got.metrics
+        assert m.first_scheduled_time <= m.first_token_time < m.last_token_time
+    assert_all_blocks_free(ref)
