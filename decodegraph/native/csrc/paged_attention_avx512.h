@@ -60,7 +60,8 @@ AVX512 __m512 sum_lanes16(const __m512 *v)
         u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[k], t[k + 4], 0x88),
                              _mm512_shuffle_f32x4(t[k], t[k + 4], 0xDD));
     for (int k = 0; k < 2; k++) /* per quarter: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] */
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(u[k], u[k + 2]), _mm512_unpackhi_ps(u[k], u[k + 2]));
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(u[k], u[k + 2]),
+                             _mm512_unpackhi_ps(u[k], u[k + 2]));
     const __m512d a = _mm512_castps_pd(w[0]), b = _mm512_castps_pd(w[1]);
     const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
                                    _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
@@ -162,7 +163,8 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
         for (int64_t k = 0; k < 16; k++)
             v[k] = k < n ? acc[c + k] : _mm512_setzero_ps();
         const __mmask16 live = (__mmask16)((1u << n) - 1);
-        _mm512_mask_storeu_ps(o + c, live, _mm512_mul_ps(sum_lanes16(v), _mm512_maskz_loadu_ps(live, inv + c)));
+        const __m512 scale = _mm512_maskz_loadu_ps(live, inv + c);
+        _mm512_mask_storeu_ps(o + c, live, _mm512_mul_ps(sum_lanes16(v), scale));
     }
 }
 
