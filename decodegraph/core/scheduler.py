@@ -267,29 +267,24 @@ class Scheduler:
             if finished:
                 stopped.append(request)
             if request.final_output_only:
-                if finished:  # its one output, with every token
-                    outputs.append(
-                        EngineCoreOutput(
-                            request_id=request.request_id,
-                            new_token_ids=list(request.output_token_ids),
-                            finish_reason=request.status.finish_reason,
-                            stop_reason=request.stop_reason,
-                            first_scheduled_time=request.first_scheduled_time,
-                            num_cached_tokens=request.num_cached_tokens,
-                            first_token_time=request.first_token_time,
-                        )
-                    )
-                continue
-            req_logprobs = logprobs[i] if logprobs is not None else None
+                if not finished:
+                    continue
+                new_token_ids = list(request.output_token_ids)  # its one output: every token
+                new_logprobs = None
+            else:
+                new_token_ids = [token_id]
+                req_logprobs = logprobs[i] if logprobs is not None else None
+                new_logprobs = [req_logprobs] if req_logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
-                    new_token_ids=[token_id],
-                    new_logprobs=[req_logprobs] if req_logprobs is not None else None,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=new_logprobs,
                     finish_reason=request.status.finish_reason if finished else None,
                     stop_reason=request.stop_reason,
                     first_scheduled_time=request.first_scheduled_time,
                     num_cached_tokens=request.num_cached_tokens,
+                    first_token_time=request.first_token_time,
                 )
             )
         self.num_generated_tokens += num_generated

@@ -129,6 +129,6 @@ class EngineCoreOutput:
     # then; both are fixed from the first output on (they feed `RequestOutput`).
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
-    # When its first token was sampled: set on the one output of a request with
-    # `final_output_only` (others' first output arrives with their first token).
+    # When the request's first token was sampled (a `final_output_only` request's one
+    # output arrives long after it).
     first_token_time: float | None = None

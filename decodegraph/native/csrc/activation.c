@@ -21,7 +21,7 @@ __attribute__((target("avx512f"))) static void silu_and_mul_avx512(float *out, c
         const float *gate = x + t * x_row, *up = gate + d;
         float *o = out + t * d;
         for (int64_t i = 0; i < d; i += 16) {
-            const __mmask16 live = d - i >= 16 ? 0xFFFF : (__mmask16)((1u << (d - i)) - 1);
+            const __mmask16 live = first_lanes(d - i);
             const __m512 g = _mm512_maskz_loadu_ps(live, gate + i);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));

@@ -87,8 +87,7 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
         const char *kb = (const char *)k_cache + ((int64_t)bt[b] * tile_stride + tile_off) * elem;
         for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) { /* 16 positions */
             const char *kt = kb + c * elem;
-            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
-                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            const __mmask16 live = first_lanes(len - p0);
             for (int64_t j = 0; j < G; j++)
                 s[j] = _mm512_setzero_ps();
             for (int64_t i = 0; i < d; i++) {
@@ -113,8 +112,7 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
     __m512 total[MAX_GROUP];
     if (bf16) { /* the weights' sums first: bf16 normalises each weight before V */
         for (int64_t p0 = 0; p0 < len; p0 += 16) {
-            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
-                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            const __mmask16 live = first_lanes(len - p0);
             for (int64_t j = 0; j < G; j++) {
                 float *x = sc + j * sc_stride + p0;
                 const __m512 e =
@@ -132,8 +130,7 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
         const char *vb = (const char *)v_cache + ((int64_t)bt[b] * tile_stride + tile_off) * elem;
         for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) {
             const char *vt = vb + c * elem;
-            const __mmask16 live = len - p0 >= 16 ? 0xFFFF
-                                                  : (__mmask16)((1u << (len - p0)) - 1);
+            const __mmask16 live = first_lanes(len - p0);
             for (int64_t j = 0; j < G; j++) {
                 const __m512 x = _mm512_loadu_ps(sc + j * sc_stride + p0);
                 if (bf16) {
@@ -162,7 +159,7 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
         __m512 v[16];
         for (int64_t k = 0; k < 16; k++)
             v[k] = k < n ? acc[c + k] : _mm512_setzero_ps();
-        const __mmask16 live = (__mmask16)((1u << n) - 1);
+        const __mmask16 live = first_lanes(n);
         const __m512 scale = _mm512_maskz_loadu_ps(live, inv + c);
         _mm512_mask_storeu_ps(o + c, live, _mm512_mul_ps(sum_lanes16(v), scale));
     }

@@ -37,14 +37,14 @@ __attribute__((target("avx512f"), optimize("fp-contract=off"))) static void rota
             rep[l] = (int32_t)(l % d);
         }
         const __m512i p = _mm512_loadu_si512(perm), r = _mm512_loadu_si512(rep);
+        const __mmask16 row = first_lanes(d);
         for (int64_t t = 0; t < rows; t++) {
-            const __mmask16 row = (__mmask16)((1u << d) - 1);
             const __m512 c = _mm512_permutexvar_ps(r, _mm512_maskz_loadu_ps(row, cos + t * cs_row));
             const __m512 s = _mm512_permutexvar_ps(r, _mm512_maskz_loadu_ps(row, sin + t * cs_row));
             const float *xr = x + t * x_row;
             float *o = out + t * n;
             for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 live = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+                const __mmask16 live = first_lanes(n - i);
                 const __m512 v = _mm512_maskz_loadu_ps(live, xr + i);
                 const __m512 a = _mm512_mul_ps(v, c);
                 const __m512 b = _mm512_mul_ps(_mm512_permutexvar_ps(p, v), s);

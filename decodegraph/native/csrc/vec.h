@@ -1,12 +1,13 @@
 /*
  * What the kernels share on x86-64: the AVX-512 function attribute, a 16-lane exp, the
- * floating-point mode for a kernel's span, and the run-time switch (AVX-512 present,
- * and not turned off with DECODEGRAPH_CPU_NO_AVX512=1, which the tests use to check the
- * portable loops).
+ * mask of a partial vector, the floating-point mode for a kernel's span, and the
+ * run-time switch (AVX-512 present, and not turned off with DECODEGRAPH_CPU_NO_AVX512=1,
+ * which the tests use to check the portable loops).
  */
 #ifndef DECODEGRAPH_VEC_H
 #define DECODEGRAPH_VEC_H
 
+#include <stdint.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -32,6 +33,12 @@ AVX512 __m512 exp16(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* A mask of the first min(n, 16) of 16 lanes (n >= 0): a row's last, partial vector. */
+static inline __mmask16 first_lanes(int64_t n)
+{
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
 }
 
 /* Flush-to-zero and denormals-are-zero on the calling thread (MXCSR), for the span of a
