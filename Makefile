@@ -28,3 +28,16 @@ demo: setup
 test: setup
 	$(BIN)/ruff check decodegraph tests benchmarks
 	$(BIN)/python -m pytest -q -rs tests
+
+lint: setup
+	$(BIN)/ruff check decodegraph tests benchmarks
+	$(BIN)/ruff format --check decodegraph tests benchmarks
+
+# Batch-1 and 256 x 200 decode speed of the eager mode (NONE) and the default graph mode,
+# beside transformers, at one intra-op thread, on stories260K: a minute or two on a
+# 2-core machine. Saves benchmarks/results/bench_decode.json. `make bench BENCH_ARGS=`
+# runs every graph mode; `$(BIN)/python benchmarks/bench_decode.py --help` lists the flags.
+BENCH_ARGS ?= --modes NONE FULL_DECODE_ONLY --threads 1
+
+bench: setup
+	$(BIN)/python benchmarks/bench_decode.py $(BENCH_ARGS)

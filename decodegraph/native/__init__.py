@@ -15,7 +15,8 @@
 csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
 extension builder into a cache keyed by the sources, flags and CPU (~8-25 s the first
 time). Where they cannot be built, `load_cpu_ops()` returns None and callers keep their
-tensor-op paths. Set DECODEGRAPH_NATIVE_KERNELS=0 to disable them. The attention
+tensor-op paths; one warning per process says why (the build's last error) and names
+DECODEGRAPH_NATIVE_KERNELS=0, which disables them without a build or a log. The attention
 kernel has an AVX-512 path for block sizes that are multiples of 16;
 DECODEGRAPH_CPU_NO_AVX512=1 forces its portable loops (the tests use it to check both).
 A large step splits its requests over torch's intra-op threads.
@@ -31,6 +32,8 @@ import hashlib
 import logging
 import os
 import platform
+import re
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -38,12 +41,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# Beside this file in a checkout and in an installed wheel alike (site-packages/
+# decodegraph/native/csrc: pyproject.toml's package-data ships every file of it).
 _CSRC = Path(__file__).with_name("csrc")
-# cpu_ops.cpp includes every other file of csrc/ (all of them key the build cache).
-_SOURCES = (
-    _CSRC / "cpu_ops.cpp",
-    *sorted(p for p in _CSRC.iterdir() if p.suffix in (".c", ".h")),
-)
+
+
+def _sources() -> tuple[Path, ...]:
+    """cpu_ops.cpp, then every other file of csrc/: cpu_ops.cpp includes them all, and all
+    of them key the build cache. Listed on first use, so that an install without csrc/
+    still imports (and `load_cpu_ops()` says what is missing)."""
+    return (
+        _CSRC / "cpu_ops.cpp",
+        *sorted(p for p in _CSRC.iterdir() if p.suffix in (".c", ".h")),
+    )
+
+
 # -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
 # with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
 # -fopenmp: at::parallel_for is OpenMP in torch's headers; the library links against
@@ -75,6 +87,11 @@ def _register_fakes() -> None:
           seq_lens, num_reqs, scale, workspace):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake("decodegraph_cpu::paged_attention_out")
+    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
+          seq_lens, num_reqs, scale, workspace, out):  # noqa: ANN001, ANN202
+        return None
+
     @torch.library.register_fake("decodegraph_cpu::rms_norm")
     def _(x, weight, eps):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape)
@@ -92,24 +109,62 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
+def _ninja_on_path() -> None:
+    """torch's extension builder runs `ninja` from PATH. The ninja dependency puts it in
+    the environment's bin/, which is not on PATH when that environment's python runs
+    without being activated: append that directory then (and only then)."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+
+        bin_dir = str(ninja.BIN_DIR)
+    except Exception:  # noqa: BLE001 - no ninja package: torch's error will say so
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = f"{path}{os.pathsep}{bin_dir}" if path else bin_dir
+
+
+# A compiler's or shell's diagnostic line in a failed build's output.
+_DIAGNOSTIC = re.compile(r"error:|not found|no such file", re.IGNORECASE)
+
+
+def _reason(e: BaseException) -> str:
+    """A failed build's reason in one line: the exception's first line and, for a failed
+    compile, its first diagnostic ("fatal error: vec.h: No such file or directory",
+    "/bin/sh: 1: c++: not found") instead of the ninja command line that follows."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    head = lines[0] if isinstance(e, RuntimeError) else f"{type(e).__name__}: {lines[0]}"
+    if head.startswith("Error building extension"):
+        head = head.split(": ", 1)[0]  # what follows is ninja's "[1/2] c++ ..." command
+    detail = next((ln for ln in lines[1:] if _DIAGNOSTIC.search(ln)), None)
+    text = f"{head}: {detail}" if detail else head
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 @cache
 def load_cpu_ops() -> object | None:
     """`torch.ops.decodegraph_cpu` with its operators loaded, or None where they cannot
-    be built."""
+    be built (then one warning, with the reason, per process: this is cached)."""
     if os.environ.get("DECODEGRAPH_NATIVE_KERNELS", "1") == "0":
         return None
-    from torch.utils.cpp_extension import load
-
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    _ninja_on_path()
+    reason = "no flag set tried"
     for flags in _FLAG_SETS:
-        salt = " ".join(flags) + "|" + _cpu_id() + "|" + torch.__version__
-        key = hashlib.sha256(source + salt.encode()).hexdigest()[:16]
-        build_dir = _cache_dir() / f"cpu_ops_{key}"
-        build_dir.mkdir(parents=True, exist_ok=True)
         try:
+            from torch.utils.cpp_extension import load
+
+            sources = _sources()
+            source = b"".join(p.read_bytes() for p in sources)
+            salt = " ".join(flags) + "|" + _cpu_id() + "|" + torch.__version__
+            key = hashlib.sha256(source + salt.encode()).hexdigest()[:16]
+            build_dir = _cache_dir() / f"cpu_ops_{key}"
+            build_dir.mkdir(parents=True, exist_ok=True)
             load(
                 name=f"decodegraph_cpu_ops_{key}",
-                sources=[str(_SOURCES[0])],
+                sources=[str(sources[0])],
                 extra_cflags=flags,
                 extra_ldflags=[f for f in flags if f == "-fopenmp"],
                 extra_include_paths=[str(_CSRC)],
@@ -119,12 +174,14 @@ def load_cpu_ops() -> object | None:
             )
         except Exception as e:  # noqa: BLE001 - any build failure means: fall back
             logger.debug("CPU operator build failed with %s: %s", flags, e)
+            reason = _reason(e)
             continue
         _register_fakes()
         return torch.ops.decodegraph_cpu
     logger.warning(
-        "The CPU operators could not be built (no C++ compiler or torch headers?); using "
-        "tensor ops, slower at small batch"
+        "decodegraph's CPU operators could not be built (%s); using tensor ops, slower at "
+        "small batch. Set DECODEGRAPH_NATIVE_KERNELS=0 to skip the build and this warning.",
+        reason,
     )
     return None
 

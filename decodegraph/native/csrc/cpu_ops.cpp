@@ -3,10 +3,12 @@
 // paged_attention: registered in C++ so that a compiled CPU graph calls it without
 // entering Python: at batch 1 the Python-level attention op cost more than the attention
 // itself. Host parameters (num_reqs, query_start_loc and the sequence lengths) arrive as
-// small CPU tensors that belong to a graph's params slot; update_graph_params rewrites
+// small CPU tensors that belong to a graph's params; update_graph_params rewrites
 // them before a replay. The KV caches are written in place but declared as plain
 // inputs: no other operator reads them, and declaring the mutation would make a
-// compiler functionalise the op and copy whole caches every step (DESIGN.md, section 6).
+// compiler functionalise the op and copy whole caches every step (docs/design.md §6).
+// paged_attention_out writes into a given output instead: the eager attention between
+// the pieces of a piecewise graph writes into a buffer the piece before allocated.
 // A step with enough work splits its requests over torch's intra-op threads
 // (at::parallel_for, so torch.set_num_threads and nesting rules apply), into contiguous
 // ranges of about equal work, one workspace row each.
@@ -65,12 +67,14 @@ std::vector<int64_t> split_requests(const paged_attention_step& a, int64_t max_p
     return bounds;
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
-                           const at::Tensor& value, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
-                           double scale, const at::Tensor& workspace) {
+// Writes the attention of every row of `query` into `out` ([rows, heads * head_size],
+// contiguous; padding rows zeroed).
+void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& value, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                         const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
+                         double scale, const at::Tensor& workspace, const at::Tensor& out) {
     const auto dtype = k_cache.scalar_type();
     TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
                     query.scalar_type() == dtype && key.scalar_type() == dtype &&
@@ -111,7 +115,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
                 "paged_attention: workspace must be float32 [threads, floats per thread]");
     const int64_t max_len = (workspace.size(1) - (head_size + 1) * block_size) / group;
     TORCH_CHECK(max_len > 0 && workspace.size(0) > 0, "paged_attention: workspace too small");
-    auto out = at::empty({rows, query.size(1)}, query.options());
+    TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.dim() == 2 &&
+                    out.size(0) == rows && out.size(1) == query.size(1),
+                "paged_attention: out must be contiguous [rows, heads * head_size] of the "
+                "query's dtype");
     const paged_attention_step step = {
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(),
@@ -131,6 +138,17 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
         for (int64_t i = b; i < e; i++)
             paged_attention_requests(&step, bounds[i], bounds[i + 1], work + i * per_thread);
     });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
+                           double scale, const at::Tensor& workspace) {
+    auto out = at::empty({query.size(0), query.size(1)}, query.options());
+    paged_attention_out(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
+                        query_start_loc, seq_lens, num_reqs_host, scale, workspace, out);
     return out;
 }
 
@@ -229,10 +247,16 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
           "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
+    // The same, into a given output (what a piecewise graph's eager attention calls).
+    m.def("paged_attention_out(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
+          "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
+          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace, Tensor(a!) out) "
+          "-> ()");
 }
 
 TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("paged_attention", &paged_attention);
+    m.impl("paged_attention_out", &paged_attention_out);
     m.impl("rms_norm", &rms_norm);
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
     m.impl("rotary_embedding", &rotary_embedding);
