@@ -156,10 +156,10 @@ def main() -> None:
         )
         runner = engines[mode].llm_engine.runner
         results["modes"][mode] = {
-            "resolved_mode": runner.mode.name,
+            "resolved_mode": runner.graph_runner.mode.name,
             "startup_s": time.perf_counter() - start,
-            "capture_s": runner.capture_stats.seconds,
-            "num_graphs": runner.capture_stats.num_graphs,
+            "capture_s": runner.graph_runner.stats.seconds,
+            "num_graphs": runner.graph_runner.stats.num_graphs,
             "batch1_tokens_per_s": 0.0,
         }
     # Read after the engines' platform set it; transformers below runs at the same count.

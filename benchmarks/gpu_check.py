@@ -70,12 +70,12 @@ def check_correctness() -> dict[str, object]:
             reference.setdefault(backend, ids)
             results[row] = {
                 "backend": runner.attn_backend.name,
-                "resolved": runner.mode.name,
-                "graphs": runner.capture_stats.num_graphs,
+                "resolved": runner.graph_runner.mode.name,
+                "graphs": runner.graph_runner.stats.num_graphs,
                 "equal_to_none": ids == reference[backend],
                 "equal_to_triton_none": ids == reference.get("TRITON_ATTN"),
                 "batch_invariant": single == ids[3],
-                "steps_by_mode": {f"{k[0]}:{k[1]}": v for k, v in runner.mode_counts.items()},
+                "steps_by_mode": {f"{k[0]}:{k[1]}": v for k, v in runner.graph_runner.mode_counts.items()},
             }
             del llm
         except Exception as e:  # noqa: BLE001 - report every mode, keep going
@@ -112,10 +112,10 @@ def measure_latency(bandwidth_gbs: float, batches: list[int], steps: int) -> dic
                 p.numel() * p.element_size() for p in engine.runner.model.parameters()
             )
             row: dict[str, object] = {
-                "resolved": engine.runner.mode.name,
+                "resolved": engine.runner.graph_runner.mode.name,
                 "startup_s": round(startup, 1),
-                "capture_s": round(engine.runner.capture_stats.seconds, 2),
-                "graphs": engine.runner.capture_stats.num_graphs,
+                "capture_s": round(engine.runner.graph_runner.stats.seconds, 2),
+                "graphs": engine.runner.graph_runner.stats.num_graphs,
                 "floor_ms": round(weight_bytes / (bandwidth_gbs * 1e9) * 1e3, 3),
             }
             for b in batches:

@@ -194,11 +194,16 @@ class CompilationConfig:
 
 @dataclass
 class DeviceConfig:
-    device: str = "auto"  # auto, cpu, cuda
+    # A platform's name (decodegraph/platforms: cpu, cuda, or a registered one), or
+    # auto: cuda where a CUDA device is, else cpu.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device: {self.device!r} is not one of auto, cpu, cuda")
+        from decodegraph.platforms import platform_names
+
+        names = platform_names()
+        if self.device != "auto" and self.device not in names:
+            raise ValueError(f"device: {self.device!r} is not one of auto, {', '.join(names)}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         elif self.device == "cuda" and not torch.cuda.is_available():

@@ -1,21 +1,41 @@
-"""The one explicit piece of global state: what the current forward pass attends with."""
+"""The one explicit piece of global state: what the current forward pass attends with.
+
+Also the key a graph is stored under (`BatchDescriptor`): graphs (which capture and
+dispatch by it) and attention (which builds metadata for it) both import this module,
+and neither imports the other's internals for it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from decodegraph.attention.backends.base import AttentionBackend
 
+# The params id of eager steps: their attention metadata is rewritten every step.
+EAGER_PARAMS_ID = 0
+
+
+class BatchDescriptor(NamedTuple):
+    """The key a graph is stored under (after padding)."""
+
+    num_tokens: int
+    # Requests in the batch; for uniform decode it equals num_tokens. Mixed-batch
+    # graphs do not depend on it and store None.
+    num_reqs: int | None
+    # Every request adds exactly one token.
+    uniform: bool
+
 
 @dataclass
 class ForwardContext:
-    # The backend that owns the KV caches and the graph-params slots.
+    # The backend that owns the KV caches and the attention metadata.
     attn_backend: AttentionBackend
-    # Which graph-params slot the attention op reads: the eager slot, or the slot of
-    # the graph being captured (baked into it, refreshed before each replay).
-    params_slot: int
+    # Which attention params the attention op reads: the eager ones (EAGER_PARAMS_ID),
+    # or those of the graph being captured (an id baked into the graph; the graph
+    # runner refreshes them before each replay with update_graph_params).
+    params_id: int
     # A piecewise capture: attention must stay the op the trace is split at (run
     # eagerly with each step's metadata), never a native operator called directly with
     # this capture's metadata tensors baked in.

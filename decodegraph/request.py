@@ -1,4 +1,7 @@
-"""A request's state as the scheduler, model runner and engine share it.
+"""A request's state as the engine and the scheduler share it (vLLM's `v1/request.py`).
+
+The model runner never sees these objects: it gets plain scheduler data
+(`core/sched_output.py`) and keeps its own per-request state.
 
 There is no decoding phase nor prefill phase: each request just has its tokens
 (prompt, then outputs) and how many of them are computed (in the KV cache). A step
@@ -16,9 +19,6 @@ from typing import TYPE_CHECKING
 from decodegraph.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
-    import torch
-
-    from decodegraph.outputs import Logprob
     from decodegraph.sampling_params import SamplingParams
 
 
@@ -59,8 +59,6 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    # Per-request RNG for `seed`; None uses the engine's global generator.
-    generator: torch.Generator | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -111,24 +109,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one step produced for one request, passed from the scheduler to the
-    output processor (detokenizer, stop strings, `RequestOutput`)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    # One dict per new token: token id -> Logprob (top-k plus the sampled token).
-    new_logprobs: list[dict[int, Logprob]] | None = None
-    # Set when the scheduler finished the request (EOS, stop token, length, abort).
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # The request's first scheduling time and prompt tokens found in the prefix cache
-    # then; both are fixed from the first output on (they feed `RequestOutput`).
-    first_scheduled_time: float | None = None
-    num_cached_tokens: int = 0
-    # When the request's first token was sampled (a `final_output_only` request's one
-    # output arrives long after it).
-    first_token_time: float | None = None

@@ -1,15 +1,18 @@
-"""The `Attention` module models call, and the custom op that graphs split at.
+"""The `Attention` module models call, and the custom ops that graphs split at.
 
 A model's forward sees `Attention` as a plain module taking q, k, v of shape
-[num_tokens, heads * head_size]. Inside, it calls one opaque op,
-`torch.ops.decodegraph.unified_attention`, that writes this step's K/V into the
-layer's paged cache and attends over each request's context. Being one opaque op
-is what lets the graph machinery trace the model around it (full graphs keep the
-op inside; piecewise graphs split the trace at it and run it eagerly).
+[num_tokens, heads * head_size]. Inside, it calls one opaque op that writes this step's
+K/V into the layer's paged cache and attends over each request's context:
+`torch.ops.decodegraph.unified_attention` (returns its output; full graphs and eager
+steps), or `unified_attention_with_output` (writes an output tensor allocated before it:
+what a piecewise trace splits at, so that the output lives in the piece before the
+attention and stays at one address from replay to replay). Being one opaque op is what
+lets the graph machinery trace the model around it (full graphs keep the op inside;
+piecewise graphs split the trace at it and run it eagerly).
 
 The op finds its metadata and KV cache at run time (by layer index and by the
-graph-params slot the forward context names), like vLLM's layer-name lookup: the
-KV cache is never a graph input, so a compiled graph never copies it.
+graph-params id the forward context names), like vLLM's layer-name lookup: the KV
+cache is never a graph input, so a compiled graph never copies it.
 """
 
 from __future__ import annotations
@@ -18,32 +21,67 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodegraph.attention.forward_context import get_forward_context
+from decodegraph.forward_context import get_forward_context
 
-# Defined with torch.library.Library rather than custom_op: its dispatch costs a
-# quarter as much, which matters with one call per layer per step at batch 1.
+# Defined with torch.library.Library rather than custom_op: its dispatch costs less,
+# which matters with one call per layer per step at batch 1 (docs/performance.md).
 _lib = torch.library.Library("decodegraph", "DEF")
 _lib.define(
-    "unified_attention(Tensor query, Tensor key, Tensor value, int layer_idx, int slot) -> Tensor"
+    "unified_attention(Tensor query, Tensor key, Tensor value, int layer_idx, int params_id)"
+    " -> Tensor"
+)
+_lib.define(
+    "unified_attention_with_output(Tensor query, Tensor key, Tensor value, Tensor(a!) output,"
+    " int layer_idx, int params_id) -> ()"
 )
 
 
 def unified_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, slot: int
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, params_id: int
 ) -> torch.Tensor:
-    """Write K/V into layer `layer_idx`'s cache and attend, with the metadata in
-    graph-params slot `slot` (baked into a graph; refreshed by update_graph_params)."""
-    return get_forward_context().attn_backend.forward(query, key, value, layer_idx, slot)
+    """Write K/V into layer `layer_idx`'s cache and attend, with the attention params
+    `params_id` (baked into a graph; refreshed by update_graph_params)."""
+    output = query.new_empty(query.shape)
+    get_forward_context().attn_backend.forward(query, key, value, output, layer_idx, params_id)
+    return output
+
+
+def unified_attention_with_output(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_idx: int,
+    params_id: int,
+) -> None:
+    """`unified_attention` into `output` ([num_tokens, heads * head_size], contiguous)."""
+    get_forward_context().attn_backend.forward(query, key, value, output, layer_idx, params_id)
 
 
 def _unified_attention_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, slot: int
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, params_id: int
 ) -> torch.Tensor:
     return torch.empty_like(query)
 
 
+def _unified_attention_with_output_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_idx: int,
+    params_id: int,
+) -> None:
+    return None
+
+
 _lib.impl("unified_attention", unified_attention, "CompositeExplicitAutograd")
 _lib.impl("unified_attention", _unified_attention_fake, "Meta")
+_lib.impl("unified_attention_with_output", unified_attention_with_output, "CompositeExplicitAutograd")
+_lib.impl("unified_attention_with_output", _unified_attention_with_output_fake, "Meta")
+
+# The op a piecewise trace is split at.
+SPLIT_OP = torch.ops.decodegraph.unified_attention_with_output.default
 
 
 class Attention(nn.Module):
@@ -74,12 +112,17 @@ class Attention(nn.Module):
         if ctx is None:
             # No engine around (a model used on its own): one causal sequence, no cache.
             return self._causal_attention(q, k, v)
-        if not ctx.split_attention:
-            direct = ctx.attn_backend.native_op_args(self.layer_idx, ctx.params_slot)
-            if direct is not None:
-                op, args = direct
-                return op(q, k, v, *args)
-        return torch.ops.decodegraph.unified_attention(q, k, v, self.layer_idx, ctx.params_slot)
+        if ctx.split_attention:
+            output = q.new_empty(q.shape)
+            torch.ops.decodegraph.unified_attention_with_output(
+                q, k, v, output, self.layer_idx, ctx.params_id
+            )
+            return output
+        direct = ctx.attn_backend.native_op_args(self.layer_idx, ctx.params_id)
+        if direct is not None:
+            op, args = direct
+            return op(q, k, v, *args)
+        return torch.ops.decodegraph.unified_attention(q, k, v, self.layer_idx, ctx.params_id)
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.shape[0]

@@ -10,7 +10,7 @@ became full so later requests with the same prefix can reuse them.
 from __future__ import annotations
 
 from decodegraph.core.block_pool import ROOT_BLOCK_HASH, BlockPool, KVCacheBlock, hash_block_tokens
-from decodegraph.engine.request import Request
+from decodegraph.request import Request
 
 
 class KVCacheManager:

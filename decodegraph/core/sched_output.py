@@ -1,4 +1,14 @@
-"""What crosses the boundary between the scheduler and the model runner each step."""
+"""What crosses the scheduler's boundaries each step.
+
+To the model runner: `SchedulerOutput`, plain data only (ids, token ids, block ids,
+sampling parameters), never the engine's live `Request` objects, so that a runner can
+sit in another process (one per tensor-parallel rank). The runner keeps its own state
+per request: it learns a request once (`NewRequestData`), then gets per-step deltas
+(`CachedRequestData`), and appends the tokens it samples itself.
+
+Back from the runner: `ModelRunnerOutput`. To the engine: one `EngineCoreOutput` per
+request that progressed.
+"""
 
 from __future__ import annotations
 
@@ -6,47 +16,84 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from decodegraph.engine.request import Request
     from decodegraph.outputs import Logprob
+    from decodegraph.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen before: everything it needs to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The model's EOS id (min_tokens masks it); None without one.
+    eos_token_id: int | None
+    # Its whole block table after this step's allocation.
+    block_ids: list[int]
+    # Tokens already in the KV cache (a prefix-cache hit), not to be computed again.
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner already holds, as per-step deltas (parallel lists)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Back from preemption: its old blocks are gone and `new_block_ids` is the whole
+    # table; its tokens (prompt and outputs) are the runner's own, as before.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Blocks appended since the previous step (the whole table when resumed); None
+    # when none were (most decode steps).
+    new_block_ids: list[list[int] | None] = field(default_factory=list)
+    # Tokens in the KV cache before this step.
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def append(
+        self, req_id: str, resumed: bool, new_block_ids: list[int] | None, num_computed: int
+    ) -> None:
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed)
 
 
 @dataclass
 class SchedulerOutput:
     """One step's batch: which requests run and how many tokens each computes.
 
-    `schedule()` does not advance `request.num_computed_tokens`: the runner computes
-    tokens `all_token_ids[num_computed_tokens : num_computed_tokens + n]` of each
-    request, and a request samples iff `num_computed_tokens + n == num_tokens`. (On
-    admission `schedule()` does set it to the prefix-cache hit, or to 0 on preemption:
-    those tokens are in the cache, or no longer are, before the step runs.)
+    Request `i` of the batch computes its tokens `[c, c + num_scheduled_tokens[i])`,
+    `c` being its computed tokens before the step, and samples iff that reaches its
+    token count (prompt plus outputs so far).
     """
 
     # Batch order: running requests first (in running order), then newly scheduled ones.
-    scheduled_requests: list[Request]
-    # Tokens each scheduled request computes this step, parallel to scheduled_requests.
+    req_ids: list[str]
+    # Tokens each request computes this step, parallel to req_ids.
     num_scheduled_tokens: list[int]
     # sum(num_scheduled_tokens).
     total_num_scheduled_tokens: int
-    # Each scheduled request's whole block table after this step's allocation
-    # (a snapshot), parallel to scheduled_requests.
-    block_ids: list[list[int]]
+    # Requests scheduled for the first time, in batch order.
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    # Requests the runner holds (running, or resumed from preemption), in batch order.
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     # Requests preempted (blocks freed, sent back to waiting) during this schedule() call.
-    preempted_request_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
     # Requests finished or aborted since the previous schedule() call: the runner
-    # drops whatever per-request state it keeps for them.
-    finished_request_ids: set[str] = field(default_factory=set)
+    # drops whatever it keeps for them.
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_reqs(self) -> int:
         """Number of scheduled requests."""
-        return len(self.scheduled_requests)
+        return len(self.req_ids)
 
 
 @dataclass
 class ModelRunnerOutput:
     """What the model runner produced for one `SchedulerOutput`."""
 
-    # Request ids, parallel to SchedulerOutput.scheduled_requests.
+    # Request ids, parallel to SchedulerOutput.req_ids.
     req_ids: list[str]
     # The sampled token per request; None where the request has not reached its last
     # token yet (a partial chunked prefill or a preempted request catching up).
@@ -54,3 +101,24 @@ class ModelRunnerOutput:
     # Per request: token id -> Logprob (top-k plus the sampled token), or None where
     # not requested or nothing was sampled; None for the whole batch if nobody asked.
     logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request, passed from the scheduler to the
+    engine's output processor (detokenizer, stop strings, `RequestOutput`)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # One dict per new token: token id -> Logprob (top-k plus the sampled token).
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    # Set when the scheduler finished the request (EOS, stop token, length, abort).
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # The request's first scheduling time and prompt tokens found in the prefix cache
+    # then; both are fixed from the first output on (they feed `RequestOutput`).
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
+    # When the request's first token was sampled (a `final_output_only` request's one
+    # output arrives long after it).
+    first_token_time: float | None = None

@@ -22,9 +22,16 @@ from collections import deque
 from collections.abc import Iterable
 
 from decodegraph.config import CacheConfig, SchedulerConfig
+from decodegraph.core.block_pool import KVCacheBlock
 from decodegraph.core.kv_cache_manager import KVCacheManager
-from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from decodegraph.engine.request import EngineCoreOutput, Request, RequestStatus
+from decodegraph.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from decodegraph.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +84,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(); handed to the runner then.
         self.finished_req_ids: set[str] = set()
+        # The last schedule()'s requests, in batch order (update_from_output's).
+        self._scheduled: list[Request] = []
         # Tokens sampled and appended so far (counted per step, whenever they are shown).
         self.num_generated_tokens = 0
 
@@ -152,8 +161,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         token_budget = self.max_num_scheduled_tokens
         scheduled: list[Request] = []
+        req_ids: list[str] = []
         num_scheduled: list[int] = []
-        block_ids: list[list[int]] = []
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
         preempted: set[str] = set()
 
         # Running requests, highest priority (earliest arrival) first.
@@ -162,11 +173,18 @@ class Scheduler:
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
             num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if not self._allocate_or_preempt(request, num_new, preempted):
+            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if new_blocks is None:
                 break  # the request preempted itself: it was the tail, nothing is left
             scheduled.append(request)
+            req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            block_ids.append(list(kv.get_block_ids(request.request_id)))
+            cached.append(
+                request.request_id,
+                False,
+                [b.block_id for b in new_blocks] if new_blocks else None,
+                request.num_computed_tokens,
+            )
             token_budget -= num_new
             req_index += 1
 
@@ -184,6 +202,7 @@ class Scheduler:
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             waiting.popleft()
+            resumed = request.status == RequestStatus.PREEMPTED
             request.num_computed_tokens = num_computed
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -191,32 +210,51 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             running.append(request)
             scheduled.append(request)
+            req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            block_ids.append(list(kv.get_block_ids(request.request_id)))
+            block_ids = list(kv.get_block_ids(request.request_id))
+            if resumed:
+                cached.append(request.request_id, True, block_ids, num_computed)
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        eos_token_id=request.eos_token_id,
+                        block_ids=block_ids,
+                        num_computed_tokens=num_computed,
+                    )
+                )
             token_budget -= num_new
 
         finished = self.finished_req_ids
         self.finished_req_ids = set()
+        self._scheduled = scheduled
         return SchedulerOutput(
-            scheduled_requests=scheduled,
+            req_ids=req_ids,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.max_num_scheduled_tokens - token_budget,
-            block_ids=block_ids,
-            preempted_request_ids=preempted,
-            finished_request_ids=finished,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            preempted_req_ids=preempted,
+            finished_req_ids=finished,
         )
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: set[str]) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted: set[str]
+    ) -> list[KVCacheBlock] | None:
         """Allocate for a running request, preempting from the tail of `running` until
-        it fits. Victims come after `request` (the tail is scheduled last), so nothing
-        already scheduled this step is lost. False if `request` itself was preempted."""
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+        it fits; returns the new blocks. Victims come after `request` (the tail is
+        scheduled last), so nothing already scheduled this step is lost. None if
+        `request` itself was preempted."""
+        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
             victim = self.running.pop()
             self._preempt(victim)
             preempted.add(victim.request_id)
             if victim is request:
-                return False
-        return True
+                return None
+        return new_blocks
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its K/V; it restarts from token 0 later."""
@@ -231,7 +269,9 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled tokens, apply stop rules.
 
-        Returns one `EngineCoreOutput` per request that got a token or finished, except
+        `scheduler_output` must be the last `schedule()`'s (its requests are looked up
+        in the order it scheduled them). Returns one `EngineCoreOutput` per request
+        that got a token or finished, except
         that a request with `final_output_only` gets one only when it finishes, carrying
         all its tokens. Requests finished from outside since `schedule()` are skipped.
         """
@@ -246,7 +286,7 @@ class Scheduler:
         stopped: list[Request] = []
         num_generated = 0
         now = time.monotonic()
-        for i, request in enumerate(scheduler_output.scheduled_requests):
+        for i, request in enumerate(self._scheduled):
             if request.status != running:
                 continue  # aborted (or stop string) after schedule(): already freed
             n = num_scheduled[i]

@@ -22,6 +22,7 @@ from decodegraph.config import (
 )
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.llama import check_sliding_window
+from decodegraph.platforms import platform_names
 
 
 @dataclass
@@ -95,7 +96,7 @@ class EngineArgs:
             default=None,
             help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'',
         )
-        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        g.add_argument("--device", default="auto", choices=["auto", *platform_names()])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

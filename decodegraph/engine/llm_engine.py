@@ -19,9 +19,9 @@ from decodegraph.config import EngineConfig
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.engine.arg_utils import EngineArgs
 from decodegraph.engine.output_processor import OutputProcessor
-from decodegraph.engine.request import Request, RequestStatus
 from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
+from decodegraph.request import Request, RequestStatus
 from decodegraph.sampling_params import SamplingParams
 from decodegraph.tokenizer import get_tokenizer
 from decodegraph.worker.model_runner import ModelRunner
@@ -218,10 +218,6 @@ class LLMEngine:
                 if child_params.max_tokens is None:
                     child_params.max_tokens = max_len - len(ids)
                 child_params.stop_token_ids += extra_eos
-            generator = None
-            if child_params.seed is not None:
-                generator = torch.Generator(device=self.runner.device)
-                generator.manual_seed(child_params.seed)
             children.append(
                 Request(
                     request_id=child_id,
@@ -229,7 +225,6 @@ class LLMEngine:
                     sampling_params=child_params,
                     eos_token_id=self.eos_token_id,
                     arrival_time=arrival,
-                    generator=generator,
                 )
             )
         self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival)
@@ -270,7 +265,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         graph_runs: dict[str, int] = {}
-        for (_, mode), count in self.runner.mode_counts.items():
+        for (_, mode), count in self.runner.graph_runner.mode_counts.items():
             graph_runs[mode] = graph_runs.get(mode, 0) + count
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -281,7 +276,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self.scheduler.num_generated_tokens,
             graph_runs=graph_runs,
-            mode_counts=dict(self.runner.mode_counts),
+            mode_counts=dict(self.runner.graph_runner.mode_counts),
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

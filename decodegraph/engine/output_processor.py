@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from decodegraph.core.sched_output import EngineCoreOutput
 from decodegraph.engine.detokenizer import IncrementalDetokenizer
-from decodegraph.engine.request import EngineCoreOutput
 from decodegraph.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 

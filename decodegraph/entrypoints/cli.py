@@ -72,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
     stats = engine.get_stats()
     print(
         f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s); "
-        f"graph mode {engine.runner.mode.name}; steps by mode {stats.graph_runs}",
+        f"graph mode {engine.runner.graph_runner.mode.name}; steps by mode {stats.graph_runs}",
         file=sys.stderr,
     )
     return 0
@@ -83,7 +83,7 @@ def _graphs(args: argparse.Namespace) -> int:
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     runner = engine.runner
-    cs = runner.capture_stats
+    cs = runner.graph_runner.stats
     report = {
         "platform": engine.platform.name,
         "attention_backend": runner.attn_backend.name,
@@ -93,8 +93,8 @@ def _graphs(args: argparse.Namespace) -> int:
             if engine.config.enforce_eager
             else engine.config.compilation_config.cudagraph_mode.name
         ),
-        "resolved_mode": runner.mode.name,
-        "capture_sizes": runner.dispatcher.capture_sizes,
+        "resolved_mode": runner.graph_runner.mode.name,
+        "capture_sizes": runner.graph_runner.dispatcher.capture_sizes,
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
         "capture_seconds": round(cs.seconds, 3),

@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple
 
+from decodegraph.forward_context import BatchDescriptor
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
-
-
-class BatchDescriptor(NamedTuple):
-    """The key a graph is stored under (after padding)."""
-
-    num_tokens: int
-    # Requests in the batch; for uniform decode it equals num_tokens. Mixed-batch
-    # graphs do not depend on it and store None.
-    num_reqs: int | None
-    # Every request adds exactly one token.
-    uniform: bool
 
 
 class CudagraphDispatcher:

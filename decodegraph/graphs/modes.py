@@ -1,7 +1,7 @@
-"""Graph modes and attention graph-support levels, and how a mode is resolved.
+"""Graph modes, and how a mode is resolved from the attention backends' support levels.
 
 The attention backend never decides the mode: it declares an `AttentionCGSupport`
-level and `resolve_cudagraph_mode` turns the user's wish into what this platform and
+level (attention/backends/base.py) and `resolve_cudagraph_mode` turns the user's wish into what this platform and
 these backends can do, logging every downgrade once with its reason.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import logging
+
+from decodegraph.attention.backends.base import AttentionCGSupport
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +57,6 @@ class RuntimeMode(enum.Enum):
     NONE = "NONE"
     PIECEWISE = "PIECEWISE"
     FULL = "FULL"
-
-
-class AttentionCGSupport(enum.IntEnum):
-    """How much of a full graph an attention backend can live inside (more is better)."""
-
-    NEVER = 0
-    UNIFORM_SINGLE_TOKEN_DECODE = 1
-    UNIFORM_BATCH = 2
-    ALWAYS = 3
 
 
 def resolve_cudagraph_mode(

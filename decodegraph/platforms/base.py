@@ -1,35 +1,90 @@
 """Platform contract: what differs between CPU, CUDA (and, later, Ascend NPU).
 
-A new device is one module here: its device and dtype defaults, how it makes and
-replays graphs (`graph_capture_kind`), how it synchronises, its memory statistics,
-its distributed backend and its attention backend.
+A new device is one module here (docs/design.md §4): its device and dtype defaults,
+how it makes graphs (`make_graph`, `make_piece`) and their memory pool (`graph_pool`),
+how it synchronises, its memory statistics, its distributed backend and the name of
+its attention backend. Nothing above this layer asks which platform it runs on.
+
+A platform that cannot capture graphs keeps `supports_graphs = False`; every graph mode
+then resolves to NONE, with a warning (graphs/modes.py).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from decodegraph.attention.backends.base import AttentionBackend
+if TYPE_CHECKING:
+    from decodegraph.config import CompilationConfig
+
+GraphFn = Callable[..., Any]
+
+
+class InputAddressError(RuntimeError):
+    """A graph's inputs are not the tensors it was captured over."""
+
+
+class DeviceGraph:
+    """A function captured once over input tensors it binds.
+
+    `replay()` reruns the captured work over whatever those tensors hold now, and takes
+    no inputs: each step writes its values into the bound tensors (the persistent
+    buffers) first, exactly as on a GPU. Outputs of a replay are valid until the next
+    replay.
+    """
+
+    def __init__(self, name: str, inputs: Sequence[torch.Tensor]) -> None:
+        self.name = name
+        self.inputs = list(inputs)
+        self._addresses = [t.data_ptr() for t in self.inputs]
+        self._layouts = [(tuple(t.shape), t.stride()) for t in self.inputs]
+        self.num_replays = 0
+
+    def check_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Raise unless `inputs` sit at the bound inputs' addresses, shapes and strides
+        (the graph runner checks the buffers it writes against these once per graph)."""
+        addresses = [t.data_ptr() for t in inputs]
+        if len(addresses) != len(self._addresses):
+            raise InputAddressError(
+                f"graph {self.name}: {len(addresses)} inputs given, {len(self._addresses)} captured"
+            )
+        if addresses != self._addresses:
+            bad = [
+                i for i, (a, b) in enumerate(zip(addresses, self._addresses, strict=True)) if a != b
+            ]
+            raise InputAddressError(
+                f"graph {self.name}: inputs {bad} are not at their capture-time addresses"
+            )
+        layouts = [(tuple(t.shape), t.stride()) for t in inputs]
+        if layouts != self._layouts:
+            bad = [i for i, (a, b) in enumerate(zip(layouts, self._layouts, strict=True)) if a != b]
+            raise InputAddressError(
+                f"graph {self.name}: inputs {bad} do not have their capture-time shapes and strides"
+            )
+
+    def replay(self) -> Any:
+        self.num_replays += 1
+        return self._run()
+
+    def _run(self) -> Any:
+        raise NotImplementedError
 
 
 class Platform:
-    """Base class; one instance per process (see `current_platform`)."""
+    """Base class; one instance per engine. The base platform has no graphs."""
 
     name: ClassVar[str] = "base"
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
-    # "cpu" (traced op graphs), "cuda" (torch.cuda.CUDAGraph), or None (no graphs).
-    graph_capture_kind: ClassVar[str | None] = None
-    # Default capture sizes: what the benchmarks showed best on this platform.
+    # Whether make_graph captures graphs here.
+    supports_graphs: ClassVar[bool] = False
+    # The attention backend's name (attention/selector.py); DECODEGRAPH_ATTENTION_BACKEND
+    # overrides it.
+    default_attention_backend: ClassVar[str | None] = None
+    # Default capture sizes (docs/performance.md has the measurements behind them).
     default_capture_sizes: ClassVar[list[int]] = []
-    # Inductor options for CPU graphs; compilation_config.inductor_compile_config wins.
-    default_inductor_options: ClassVar[dict[str, object]] = {}
-
-    @property
-    def supports_graphs(self) -> bool:
-        return self.graph_capture_kind is not None
 
     def configure_process(self) -> None:
         """Process-wide settings the platform wants before the engine starts."""
@@ -40,8 +95,54 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op on CPU)."""
 
-    def attention_backend_cls(self) -> type[AttentionBackend]:
-        raise NotImplementedError
+    # ---------------------------------------------------------------- graphs
+
+    def graph_pool(self) -> object | None:
+        """The memory pool every graph of this process captures into (vLLM's
+        `get_global_graph_pool()`); None where graphs need none."""
+        return None
+
+    def graph_decompositions(self) -> dict:
+        """Decompositions for graph traces (make_fx): native operators -> aten ops."""
+        return {}
+
+    def make_graph(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        config: CompilationConfig,
+        pool: object | None,
+    ) -> DeviceGraph:
+        """Capture `fn(*inputs)` into a graph bound to `inputs` (warm-ups included)."""
+        raise NotImplementedError(f"platform {self.name} cannot capture graphs")
+
+    def make_piece(
+        self,
+        name: str,
+        piece: torch.fx.GraphModule,
+        args: Sequence[torch.Tensor],
+        stable: set[int],
+        config: CompilationConfig,
+        pool: object | None,
+    ) -> Callable[..., Any]:
+        """One piece of a piecewise graph, called with the piece's arguments.
+
+        The default suits device graphs, whose outputs stay at one address from replay
+        to replay: every argument must already be at a stable address (in `stable`: a
+        graph input, or an earlier piece's output), so that nothing is ever copied
+        into the piece, weights least of all. The piece's outputs join `stable`.
+        """
+        moving = [i for i, a in enumerate(args) if a.data_ptr() not in stable]
+        if moving:
+            raise InputAddressError(
+                f"piece {name}: arguments {moving} are not graph inputs or earlier pieces' "
+                "outputs; a device graph would have to copy them on every replay"
+            )
+        graph = self.make_graph(name, piece, args, config, pool)
+        return _StaticPiece(graph, stable)
+
+    # ---------------------------------------------------------------- memory
 
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -61,3 +162,22 @@ class Platform:
 
     def peak_memory_allocated(self) -> int:
         return 0
+
+
+class _StaticPiece:
+    """A piece replayed as a device graph; its arguments are the tensors it captured."""
+
+    __slots__ = ("_checked", "graph")
+
+    def __init__(self, graph: DeviceGraph, stable: set[int]) -> None:
+        self.graph = graph
+        self._checked = False
+        outputs = graph.replay()  # the static outputs, at their fixed addresses
+        for t in outputs if isinstance(outputs, (tuple, list)) else (outputs,):
+            stable.add(t.data_ptr())
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        if not self._checked:
+            self.graph.check_inputs(args)
+            self._checked = True
+        return self.graph.replay()

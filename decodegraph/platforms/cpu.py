@@ -6,14 +6,18 @@ import ctypes
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from decodegraph.attention.backends.base import AttentionBackend
-from decodegraph.attention.selector import get_attn_backend
-from decodegraph.platforms.base import Platform
+from decodegraph import native
+from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
+from decodegraph.platforms.cpu_graph import CpuGraph, compile_with_inductor
+
+if TYPE_CHECKING:
+    from decodegraph.config import CompilationConfig
 
 # Without an explicit budget, the KV cache takes this share of available host memory.
 _CPU_KV_CACHE_SHARE = 0.25
@@ -24,20 +28,20 @@ class CpuPlatform(Platform):
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
-    graph_capture_kind: ClassVar[str | None] = "cpu"
-    # Each CPU graph is compiled by Inductor (~4 s per size here, plus ~10 s of one-time
-    # set-up in a process with a cold cache), so few sizes keep a cold start under 30 s.
+    supports_graphs: ClassVar[bool] = True
+    default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
+    # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
+    # in a process with a cold cache), so few sizes keep a cold start short.
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8]
-    # The C++ wrapper calls kernels without a Python frame each (~15 % off a stories260K
-    # decode step). Inductor's decompose_mm_pass turns one-row matmuls (the batch-1
-    # graph's projections) into its own fused C++ loops instead of a BLAS call each
-    # (+13-29 % at batch 1 here, cached like any graph). Inductor's C++ GEMM templates
-    # (freezing + max_autotune) gained 8 % at batch 1 but tripled start-up (frozen
-    # graphs are not cached), so they are left to compilation_config.
-    # inductor_compile_config (docs/performance.md). No size, stride, alignment or
-    # scalar asserts on every call (~18 µs of a 184 µs batch-1 step for 55 inputs): a
-    # graph is replayed with the very tensors it was captured with, whose addresses are
-    # checked on its first replay (decodegraph/graphs/graph.py).
+    # Inductor options for CPU graphs; compilation_config.inductor_compile_config wins.
+    # The C++ wrapper calls kernels without a Python frame each. Inductor's
+    # decompose_mm_pass turns one-row matmuls (the batch-1 graph's projections) into its
+    # own fused C++ loops instead of a BLAS call each. Inductor's C++ GEMM templates
+    # (freezing + max_autotune) are left to inductor_compile_config: frozen graphs are
+    # not cached, so they multiply start-up. No size, stride, alignment or scalar asserts
+    # on every call: a graph is replayed with the very tensors it was captured with, and
+    # the graph runner checks their addresses on its first replay. docs/performance.md
+    # has what each option measured.
     default_inductor_options: ClassVar[dict[str, object]] = {
         "cpp_wrapper": True,
         "post_grad_fusion_options": {"decompose_mm_pass": {}},
@@ -51,25 +55,58 @@ class CpuPlatform(Platform):
 
         A decode step is hundreds of tiny ops; an OpenMP team whose other thread is
         descheduled (the core busy with the API server, tokenizer or another process)
-        turns each op's barrier into a scheduler time slice: measured here, 1 thread ran
-        stories260K decode at ~1,050 tokens/s and 2 threads at 45-90 on a busy machine.
+        turns each op's barrier into a scheduler time slice, so one core is left free
+        (docs/performance.md, "threads").
         """
         threads = os.environ.get("DECODEGRAPH_CPU_THREADS")
         n = int(threads) if threads else max(1, (os.cpu_count() or 2) - 1)
         torch.set_num_threads(n)
 
-    def attention_backend_cls(self) -> type[AttentionBackend]:
-        return get_attn_backend("CPU_TORCH")
+    # ---------------------------------------------------------------- graphs
+
+    def graph_decompositions(self) -> dict:
+        return native.decompositions()
+
+    def inductor_options(self, config: CompilationConfig) -> dict[str, object]:
+        """The platform's Inductor options, with the user's on top."""
+        return {**self.default_inductor_options, **config.inductor_compile_config}
+
+    def make_graph(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        config: CompilationConfig,
+        pool: object | None,
+    ) -> DeviceGraph:
+        return CpuGraph(name, fn, inputs, config.use_inductor, self.inductor_options(config))
+
+    def make_piece(
+        self,
+        name: str,
+        piece: torch.fx.GraphModule,
+        args: Sequence[torch.Tensor],
+        stable: set[int],
+        config: CompilationConfig,
+        pool: object | None,
+    ) -> Callable[..., Any]:
+        """The traced piece, Inductor-compiled or as it is. A CPU piece returns fresh
+        outputs each call, so its arguments need no fixed addresses; its weights are
+        the model's own tensors (lifted into trailing inputs, not copied)."""
+        if not config.use_inductor:
+            return piece
+        return compile_with_inductor(piece, args, self.inductor_options(config))
+
+    # ---------------------------------------------------------------- memory
 
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """Zeroed, on 2 MiB pages where the kernel allows (transparent huge pages in
         "madvise" mode): decode reads blocks scattered over tens of MB, and with 4 KiB
-        pages most block reads miss the TLB (12 % off the decode operator at batch 256).
-        The tensor starts on a 2 MiB boundary of a slightly larger allocation, so that
-        its first blocks (the ones a fresh engine hands out first) are on huge pages too
-        (an unaligned 16 MiB cache had up to its first 2 MiB on small pages)."""
+        pages most block reads miss the TLB (docs/performance.md). The tensor starts on
+        a 2 MiB boundary of a slightly larger allocation, so that its first blocks (the
+        ones a fresh engine hands out first) are on huge pages too."""
         numel = math.prod(shape)
         per_page = _HUGE_PAGE // torch.empty((), dtype=dtype).element_size()
         raw = torch.empty(numel + per_page, dtype=dtype, device=device)

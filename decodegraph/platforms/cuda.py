@@ -3,30 +3,88 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from decodegraph.attention.backends.base import AttentionBackend
-from decodegraph.attention.selector import get_attn_backend
-from decodegraph.platforms.base import Platform
+from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
+
+if TYPE_CHECKING:
+    from decodegraph.config import CompilationConfig
+
+
+class CudaGraph(DeviceGraph):
+    """A torch.cuda.CUDAGraph over bound input buffers, in a shared memory pool.
+
+    Warm-ups and the capture run on one side stream (as vLLM's `graph_capture()`): the
+    warm-up then runs the very code the capture records, on the stream it records from.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        pool: object | None,
+        num_warmups: int,
+        stream: torch.cuda.Stream,
+    ) -> None:
+        super().__init__(name, inputs)
+        self._graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for _ in range(num_warmups):
+                fn(*self.inputs)
+            stream.synchronize()
+            with torch.cuda.graph(self._graph, pool=pool, stream=stream):
+                self._output = fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _run(self) -> Any:
+        self._graph.replay()
+        return self._output
 
 
 class CudaPlatform(Platform):
     name: ClassVar[str] = "cuda"
     device_type: ClassVar[str] = "cuda"
     dist_backend: ClassVar[str] = "nccl"
-    graph_capture_kind: ClassVar[str | None] = "cuda"
+    supports_graphs: ClassVar[bool] = True
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4] + list(range(8, 257, 8))
+
+    def __init__(self) -> None:
+        self._pool: object | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
+
+    @property
+    def default_attention_backend(self) -> str:  # type: ignore[override]
+        """TRITON_ATTN (one kernel per layer, full graphs for any batch) where triton is
+        installed; else the torch-op fallback, graph-safe for uniform decode only."""
+        return "TRITON_ATTN" if importlib.util.find_spec("triton") is not None else "CUDA_TORCH"
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def attention_backend_cls(self) -> type[AttentionBackend]:
-        """TRITON_ATTN (one kernel per layer, full graphs for any batch) where triton is
-        installed; else the torch-op fallback, graph-safe for uniform decode only."""
-        triton = importlib.util.find_spec("triton") is not None
-        return get_attn_backend("TRITON_ATTN" if triton else "CUDA_TORCH")
+    def graph_pool(self) -> object:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def make_graph(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        config: CompilationConfig,
+        pool: object | None,
+    ) -> DeviceGraph:
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        return CudaGraph(
+            name, fn, inputs, pool, config.cudagraph_num_of_warmups, self._capture_stream
+        )
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
         free, total = torch.cuda.mem_get_info()

@@ -1,19 +1,34 @@
 """Per-step sampling inputs, gathered from the batch's requests.
 
 Building this runs every step, so it is kept cheap: what depends only on the batch
-composition (temperatures, top-k/p, min-p, generators, logprob counts) is cached and reused
-while the same requests stay in the same rows; tensors that change every step (penalty
-counts, min-tokens masks) are built only when some request needs them.
+composition (temperatures, top-k/p, min-p, generators, logprob counts) is kept in a
+`BatchStaticsCache` (one per model runner) and reused while the same requests stay in
+the same rows; tensors that change every step (penalty counts, min-tokens masks) are
+built only when some request needs them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from decodegraph.engine.request import Request
+if TYPE_CHECKING:
+    from decodegraph.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request (the model runner's `CachedRequestState`)."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,10 +78,6 @@ class SamplingMetadata:
     # (rows, token ids) to mask to -inf because min_tokens is not reached yet.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
 
-    # The previous batch's statics, kept with strong references to its requests so
-    # identity comparison cannot be fooled by a recycled object id.
-    _cache: ClassVar[tuple[tuple[Request, ...], int, torch.device, _BatchStatics] | None] = None
-
     @property
     def all_greedy(self) -> bool:
         return self.statics.all_greedy
@@ -87,11 +98,19 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(
-        cls, requests: list[Request], vocab_size: int, device: torch.device | str
+        cls,
+        requests: list[SamplingRequest],
+        vocab_size: int,
+        device: torch.device | str,
+        cache: BatchStaticsCache | None = None,
     ) -> SamplingMetadata:
-        """Gather the sampling inputs of `requests` (row b = requests[b])."""
+        """Gather the sampling inputs of `requests` (row b = requests[b]); `cache`
+        reuses the previous batch's statics when its requests sit in the same rows."""
         device = torch.device(device)
-        statics = cls._get_statics(requests, vocab_size, device)
+        if cache is None:
+            statics = _build_statics(requests, vocab_size, device)
+        else:
+            statics = cache.get(requests, vocab_size, device)
         counts = prompt_mask = None
         if statics.has_penalties:
             counts, prompt_mask = _penalty_tensors(
@@ -102,25 +121,36 @@ class SamplingMetadata:
             min_tokens_mask = _min_tokens_mask(requests, vocab_size, device)
         return cls(statics, counts, prompt_mask, min_tokens_mask)
 
-    @classmethod
-    def _get_statics(
-        cls, requests: list[Request], vocab_size: int, device: torch.device
+
+class BatchStaticsCache:
+    """The previous batch's statics, with strong references to its requests so that
+    identity comparison cannot be fooled by a recycled object id."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple[SamplingRequest, ...], int, torch.device, _BatchStatics] | None = (
+            None
+        )
+
+    def get(
+        self, requests: list[SamplingRequest], vocab_size: int, device: torch.device
     ) -> _BatchStatics:
-        cached = cls._cache
+        last = self._last
         if (
-            cached is not None
-            and cached[1] == vocab_size
-            and cached[2] == device
-            and len(cached[0]) == len(requests)
-            and all(a is b for a, b in zip(cached[0], requests, strict=True))
+            last is not None
+            and last[1] == vocab_size
+            and last[2] == device
+            and len(last[0]) == len(requests)
+            and all(a is b for a, b in zip(last[0], requests, strict=True))
         ):
-            return cached[3]
+            return last[3]
         statics = _build_statics(requests, vocab_size, device)
-        cls._cache = (tuple(requests), vocab_size, device, statics)
+        self._last = (tuple(requests), vocab_size, device, statics)
         return statics
 
 
-def _build_statics(requests: list[Request], vocab_size: int, device: torch.device) -> _BatchStatics:
+def _build_statics(requests: list[SamplingRequest], vocab_size: int, device: torch.device) -> _BatchStatics:
     params = [r.sampling_params for r in requests]
     greedy = [p.is_greedy for p in params]
     all_greedy = all(greedy)
@@ -184,7 +214,7 @@ def _padded(rows: list[list[int]], pad: int) -> list[list[int]]:
 
 
 def _penalty_tensors(
-    requests: list[Request], vocab_size: int, device: torch.device, with_prompt: bool
+    requests: list[SamplingRequest], vocab_size: int, device: torch.device, with_prompt: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     # Padding points at an extra column that is cut off afterwards.
     batch = len(requests)
@@ -205,7 +235,7 @@ def _penalty_tensors(
 
 
 def _min_tokens_mask(
-    requests: list[Request], vocab_size: int, device: torch.device
+    requests: list[SamplingRequest], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     cols: list[int] = []

@@ -1,14 +1,29 @@
 """Persistent input buffers: allocated once at the largest size, written in place.
 
-Graphs read `[:n]` views of these, so their addresses never change. On CUDA each
-buffer has a pinned host twin that the step writes with numpy and copies over in one
-non-blocking copy; on CPU the host view *is* the buffer.
+Graphs bind `[:n]` views of these at capture, so their addresses never change and a
+replay reads whatever the step wrote (docs/design.md §1, "persistent buffers"). On CUDA
+each buffer has a pinned host twin that the step writes with numpy and copies over in
+one non-blocking copy; on CPU the host view *is* the buffer.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
+
+
+class AttentionViews(NamedTuple):
+    """The views of the buffers one step's attention metadata holds."""
+
+    query_start_loc: torch.Tensor  # [padded reqs + 1] int32
+    seq_lens: torch.Tensor  # [padded reqs] int32
+    block_tables: torch.Tensor  # [padded reqs, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [padded tokens] int64
+    seq_lens_host: torch.Tensor  # [padded reqs] int32, on the host
+    num_reqs_host: torch.Tensor  # [1] int32, on the host
+    query_start_loc_host: torch.Tensor  # [padded reqs + 1] int32, on the host
 
 
 class PersistentBuffer:
@@ -28,15 +43,15 @@ class PersistentBuffer:
 
 
 class InputBuffers:
-    """Every per-step model and attention input (DESIGN §1 'persistent buffers')."""
+    """Every per-step model and attention input."""
 
     def __init__(
         self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, device: torch.device
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
-        # Padding convention (DESIGN §5): token 0, position 0, slot -1, length 0, block 0
-        # (block 0 is the reserved null block).
+        # Padding convention (docs/design.md §5): token 0, position 0, slot -1, length 0,
+        # block 0 (block 0 is the reserved null block).
         self.input_ids = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)
         self.positions = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)
         self.slot_mapping = PersistentBuffer((max_num_tokens,), torch.int64, device, -1)
@@ -53,6 +68,23 @@ class InputBuffers:
         # skipping rewrites: a decoding request's table changes once per block).
         self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.row_owner: list[str | None] = [None] * max_num_reqs
+        # (padded reqs, padded tokens) -> attention views (made once per shape).
+        self._views: dict[tuple[int, int], AttentionViews] = {}
+
+    def attention_views(self, num_reqs: int, num_tokens: int) -> AttentionViews:
+        """Views for a batch padded to `num_reqs` request rows and `num_tokens` tokens."""
+        views = self._views.get((num_reqs, num_tokens))
+        if views is None:
+            views = self._views[(num_reqs, num_tokens)] = AttentionViews(
+                self.query_start_loc.gpu[: num_reqs + 1],
+                self.seq_lens.gpu[:num_reqs],
+                self.block_tables.gpu[:num_reqs],
+                self.slot_mapping.gpu[:num_tokens],
+                self.seq_lens.cpu[:num_reqs],
+                self.num_reqs_host,
+                self.query_start_loc.cpu[: num_reqs + 1],
+            )
+        return views
 
     def write_block_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
         n = len(block_ids)

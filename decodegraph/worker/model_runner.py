@@ -1,46 +1,42 @@
-"""The model runner: persistent buffers in, dispatch, graph replay or eager, sampling.
+"""The model runner: its requests' state, the persistent buffers, eager or graph, sampling.
 
-Start-up (DESIGN §3): load weights, profile memory with an eager dummy run, size and
-allocate the KV cache, resolve the graph mode, capture graphs, close capture.
+Start-up (docs/design.md §3): load weights, profile memory with an eager dummy run,
+size and allocate the KV cache, resolve the graph mode and capture the graphs (the
+graph runner's part), close capture.
+
+A step (`execute_model`): apply the scheduler's deltas to the runner's own request
+states, write the batch into the persistent buffers (`InputBatch`), let the graph
+runner dispatch it, run it (eager, or a graph replay), sample, and append the sampled
+tokens to the states.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from decodegraph.attention.backends.base import EAGER_SLOT, AttentionBackend, AttentionMetadata
-from decodegraph.attention.forward_context import ForwardContext, set_forward_context
+from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
+from decodegraph.attention.selector import get_attn_backend
 from decodegraph.config import EngineConfig
 from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from decodegraph.graphs.dispatcher import BatchDescriptor, CudagraphDispatcher
-from decodegraph.graphs.manager import CaptureClosedError, CaptureStats, GraphManager
-from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, resolve_cudagraph_mode
+from decodegraph.forward_context import EAGER_PARAMS_ID, ForwardContext, set_forward_context
+from decodegraph.graphs.graph_runner import CaptureStats, GraphRunner
+from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
 from decodegraph.models.llama import get_head_dim
 from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
-from decodegraph.sample.metadata import SamplingMetadata
+from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
 from decodegraph.sample.sampler import Sampler, SamplerOutput
+from decodegraph.worker.input_batch import CachedRequestState, InputBatch
 from decodegraph.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _Step:
-    """One step's prepared batch (host side)."""
-
-    mode: RuntimeMode
-    key: BatchDescriptor
-    num_tokens: int
-    num_reqs: int
-    metadata: AttentionMetadata
-    sample_rows: list[int]  # indices into scheduled_requests that sample this step
+# The one attention group every layer belongs to (until models mix attention kinds).
+FULL_ATTENTION = "full_attention"
 
 
 class ModelRunner:
@@ -65,7 +61,7 @@ class ModelRunner:
         self.head_size = get_head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
 
-        self.attn_backend: AttentionBackend = platform.attention_backend_cls()(
+        self.attn_backend: AttentionBackend = get_attn_backend(platform)(
             self.num_heads,
             self.num_kv_heads,
             self.head_size,
@@ -73,28 +69,25 @@ class ModelRunner:
             self.block_size,
             self.max_model_len,
         )
-        # Every step's forward runs in this context (graphs refresh their own slots).
-        self._eager_context = ForwardContext(self.attn_backend, EAGER_SLOT)
+        # Eager steps and graph replays run in this context (a graph's attention reads
+        # the params id baked into it; eager attention reads EAGER_PARAMS_ID's).
+        self._eager_context = ForwardContext(self.attn_backend, EAGER_PARAMS_ID)
         self.buffers = InputBuffers(
             self.max_num_tokens,
             self.max_num_reqs,
             self.attn_backend.max_blocks_per_seq,
             self.device,
         )
+        self.graph_runner = GraphRunner(
+            config, platform, self.buffers, {FULL_ATTENTION: self.attn_backend}
+        )
         self.sampler = Sampler()
+        self._sampling_statics = BatchStaticsCache()
+        # Request id -> what the runner knows of it (from the scheduler's data only).
+        self.requests: dict[str, CachedRequestState] = {}
         self.model: torch.nn.Module | None = None
         self.num_blocks = 0
         self.profile_peak_bytes = 0
-        self.mode = CUDAGraphMode.NONE
-        self.dispatcher = CudagraphDispatcher(CUDAGraphMode.NONE, [])
-        self.graphs: GraphManager | None = None
-        self.capture_stats = CaptureStats()
-        self._graph_slots: dict[BatchDescriptor, int] = {}
-        self._graph_inputs: dict[BatchDescriptor, list[torch.Tensor]] = {}
-        # (padded reqs, padded tokens) -> metadata views of the persistent buffers.
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-        # (step kind, runtime mode) -> steps run; step kind is "decode" or "mixed".
-        self.mode_counts: Counter[tuple[str, str]] = Counter()
 
     # ---------------------------------------------------------------- start-up
 
@@ -115,13 +108,13 @@ class ModelRunner:
     def profile_run(self) -> None:
         """An eager forward of the largest batch, for peak-memory profiling and warm-up.
 
-        Its attention metadata has no requests, so it writes no KV cache.
+        Its batch has no requests, so it attends nothing and writes no KV cache.
         """
         n = self.max_num_tokens
         self.platform.reset_peak_memory()
         before = self.platform.memory_allocated()
-        md = self._metadata(0, 0, 0, 0, False, [0], [], self.max_num_reqs, n)
-        self.attn_backend.set_eager_metadata(md)
+        batch = InputBatch.make_dummy(0, n, False, self.buffers)
+        self.attn_backend.set_eager_metadata(self._attention_metadata(batch))
         with set_forward_context(self._eager_context):
             hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
             self.model.compute_logits(hidden[: self.max_num_reqs])
@@ -143,177 +136,75 @@ class ModelRunner:
         self.attn_backend.allocate_workspace(self.max_num_reqs, self.dtype, self.device)
 
     def resolve_graph_mode(self) -> CUDAGraphMode:
-        cc = self.config.compilation_config
-        requested = CUDAGraphMode.NONE if self.config.enforce_eager else cc.cudagraph_mode
-        self.mode = resolve_cudagraph_mode(
-            requested,
-            [self.attn_backend.cudagraph_support],
-            self.platform.supports_graphs,
-        )
-        self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes(), self.max_num_reqs)
-        return self.mode
-
-    def capture_sizes(self) -> list[int]:
-        """Token counts to capture: the listed sizes up to max_num_batched_tokens (mixed
-        keys count tokens), or the platform's defaults up to max_num_seqs; decode keys
-        are further limited to max_num_seqs by the dispatcher."""
-        cc = self.config.compilation_config
-        limit = self.max_num_tokens
-        if not cc.cudagraph_capture_sizes:
-            limit = min(limit, self.max_num_reqs)
-        if cc.max_cudagraph_capture_size:
-            limit = min(limit, cc.max_cudagraph_capture_size)
-        sizes = [
-            s
-            for s in cc.cudagraph_capture_sizes or self.platform.default_capture_sizes
-            if s <= limit
-        ]
-        # A default bucket list must contain its own maximum (a nano-vllm pitfall).
-        if not cc.cudagraph_capture_sizes and cc.max_cudagraph_capture_size and limit not in sizes:
-            sizes.append(limit)
-        return sorted(set(sizes))
+        return self.graph_runner.resolve()
 
     def capture_graphs(self) -> CaptureStats:
         """Capture every graph the dispatcher can ask for; then close capture."""
-        if self.graphs is not None and self.graphs.closed:
-            raise CaptureClosedError("graphs are captured once, at start-up")
-        kind = self.platform.graph_capture_kind or "cpu"
-        self.graphs = GraphManager(
-            kind, self.config.compilation_config, self.platform.default_inductor_options
-        )
-        keys = self.dispatcher.all_keys()
-        self.capture_stats = self.graphs.capture_all(
-            keys, self._capture_one, self.platform.memory_allocated
-        )
-        return self.capture_stats
+        return self.graph_runner.capture_all(self.model, self._prepare_dummy)
 
-    @torch.inference_mode()
-    def _capture_one(self, mode: RuntimeMode, key: BatchDescriptor) -> None:
-        n = key.num_tokens
-        b = self.buffers
-        # Dummy requests of one token at length 1 (every row reads the null block) with
-        # workspaces sized for max_model_len at allocation; K/V of the capture run go to
-        # the null block. A mixed key's one dummy request leaves its other rows as padding.
-        reqs = n if key.uniform else 1
-        b.slot_mapping.np[:n] = 0
-        b.seq_lens.np[:reqs] = 1
-        # Mixed-batch graphs serve any number of requests: their views span the buffers
-        # (rows past the requests end at the last real token, as in _prepare).
-        views = reqs if key.uniform else self.max_num_reqs
-        b.query_start_loc.np[: reqs + 1] = np.arange(reqs + 1)
-        b.query_start_loc.np[reqs + 1 : views + 1] = reqs
-        b.copy_to_device(n, views)
-        b.num_reqs_np[0] = reqs
-        qsl = list(range(reqs + 1))
-        md = self._metadata(reqs, reqs, 1, 1, key.uniform, qsl, [1] * reqs, views, n)
-        if mode is RuntimeMode.FULL:
-            slot = self.attn_backend.new_graph_slot(md)
-            self._graph_slots[key] = slot
-            fn = self._full_graph_fn(key.uniform)
-        else:
-            slot = EAGER_SLOT
-            self.attn_backend.set_eager_metadata(md)
-            fn = self._hidden_fn
-        inputs = self._graph_input_list(key)
-        split = mode is RuntimeMode.PIECEWISE
-        with set_forward_context(ForwardContext(self.attn_backend, slot, split)):
-            self.graphs.capture(mode, key, fn, inputs)
-        b.slot_mapping.np[:n] = -1
-        b.seq_lens.np[:reqs] = 0
-
-    def _buffer_views(self, num_tokens: int) -> list[torch.Tensor]:
-        """Views of the persistent buffers (the model reads the first two; the rest
-        are listed so that their addresses are checked too)."""
-        b = self.buffers
-        return [
-            b.input_ids.gpu[:num_tokens],
-            b.positions.gpu[:num_tokens],
-            b.slot_mapping.gpu[:num_tokens],
-            b.seq_lens.gpu,
-            b.block_tables.gpu,
-            b.query_start_loc.gpu,
-        ]
-
-    def _graph_input_list(self, key: BatchDescriptor) -> list[torch.Tensor]:
-        """A graph's inputs: buffer views, and for a full graph every tensor its
-        attention reads (see AttentionBackend.graph_tensors)."""
-        inputs = self._buffer_views(key.num_tokens)
-        slot = self._graph_slots.get(key)
-        if slot is not None:
-            inputs += self.attn_backend.graph_tensors(slot)
-        return inputs
-
-    def _replay_inputs(self, key: BatchDescriptor) -> list[torch.Tensor]:
-        """Fresh views of the current buffers on a graph's first replay (which checks
-        their addresses against capture), the same list afterwards."""
-        inputs = self._graph_inputs.get(key)
-        if inputs is None:
-            inputs = self._graph_inputs[key] = self._graph_input_list(key)
-        return inputs
-
-    def _hidden_fn(self, input_ids: torch.Tensor, positions: torch.Tensor, *_: object):
-        return self.model(input_ids, positions)
-
-    def _full_graph_fn(self, uniform: bool):
-        if not uniform:
-            return self._hidden_fn
-
-        def fn(
-            input_ids: torch.Tensor, positions: torch.Tensor, *_: object
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            # Greedy ids too: inside the graph the argmax is fused with the LM head (at
-            # batch 1 an eager argmax after the replay was ~5 % of a step); the sampler
-            # still gets the logits for everything else.
-            logits = self.model.compute_logits(self.model(input_ids, positions))
-            return logits, logits.argmax(dim=-1)
-
-        return fn
+    def _prepare_dummy(self, mode: RuntimeMode, key: object) -> dict[str, AttentionMetadata]:
+        """A capture batch for `key` in the buffers: a uniform key's rows are one-token
+        dummy requests; a mixed key's one dummy request leaves its other rows as padding."""
+        num_reqs = key.num_tokens if key.uniform else 1
+        batch = InputBatch.make_dummy(num_reqs, key.num_tokens, key.uniform, self.buffers, mode)
+        return {name: self._attention_metadata(batch) for name in self.graph_runner.attn_groups}
 
     # ---------------------------------------------------------------- per step
 
-    def _metadata(
-        self,
-        num_reqs: int,
-        num_tokens: int,
-        max_query_len: int,
-        max_seq_len: int,
-        uniform: bool,
-        qsl_cpu: list[int] | None,
-        seq_lens_cpu: list[int],
-        padded_reqs: int,
-        padded_tokens: int,
-    ) -> AttentionMetadata:
-        views = self._views.get((padded_reqs, padded_tokens))
-        if views is None:
-            b = self.buffers
-            views = (
-                b.query_start_loc.gpu[: padded_reqs + 1],
-                b.seq_lens.gpu[:padded_reqs],
-                b.block_tables.gpu[:padded_reqs],
-                b.slot_mapping.gpu[:padded_tokens],
-                b.seq_lens.cpu[:padded_reqs],
-                b.num_reqs_host,
-                b.query_start_loc.cpu[: padded_reqs + 1],
-            )
-            self._views[(padded_reqs, padded_tokens)] = views
+    def _attention_metadata(self, batch: InputBatch) -> AttentionMetadata:
+        views = self.buffers.attention_views(
+            batch.num_reqs_after_padding, batch.num_tokens_after_padding
+        )
         return AttentionMetadata(
-            num_reqs,
-            num_tokens,
-            max_query_len,
-            max_seq_len,
-            uniform,
-            qsl_cpu or [],
-            seq_lens_cpu,
-            *views,
+            num_reqs=batch.num_reqs,
+            num_actual_tokens=batch.num_tokens,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            uniform_decode=batch.uniform_decode,
+            query_start_loc_cpu=batch.query_start_loc_cpu,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            seq_lens_host=views.seq_lens_host,
+            num_reqs_host=views.num_reqs_host,
+            query_start_loc_host=views.query_start_loc_host,
         )
 
-    def _prepare(self, so: SchedulerOutput) -> _Step:
+    def _update_states(self, so: SchedulerOutput) -> list[CachedRequestState]:
+        """Apply the scheduler's data to the request states; the batch's, in order."""
+        requests = self.requests
+        for req_id in so.finished_req_ids:
+            requests.pop(req_id, None)
+        if so.preempted_req_ids:
+            self.buffers.forget(so.preempted_req_ids)
+        for new in so.scheduled_new_reqs:
+            requests[new.req_id] = CachedRequestState.from_new_request(new, self.device)
+        cached = so.scheduled_cached_reqs
+        for req_id, resumed, new_block_ids, num_computed in zip(
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            strict=True,
+        ):
+            state = requests[req_id]
+            state.num_computed_tokens = num_computed
+            if resumed:
+                state.block_ids = list(new_block_ids)
+                self.buffers.forget({req_id})
+            elif new_block_ids is not None:
+                state.block_ids.extend(new_block_ids)
+        return [requests[req_id] for req_id in so.req_ids]
+
+    def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]) -> InputBatch:
         """Write this step's inputs into the persistent buffers (host side first)."""
         b, bs = self.buffers, self.block_size
-        reqs, counts = so.scheduled_requests, so.num_scheduled_tokens
-        num_reqs, num_tokens = len(reqs), so.total_num_scheduled_tokens
+        counts = so.num_scheduled_tokens
+        num_reqs, num_tokens = len(states), so.total_num_scheduled_tokens
         uniform = num_tokens == num_reqs
-        mode, key = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
+        mode, key = self.graph_runner.dispatch(num_tokens, num_reqs, uniform)
         padded_tokens = key.num_tokens
         if key.uniform:
             padded_reqs = key.num_reqs
@@ -323,35 +214,34 @@ class ModelRunner:
             padded_reqs = self.max_num_reqs
         else:
             padded_reqs = num_reqs
-        if so.preempted_request_ids:
-            b.forget(so.preempted_request_ids)
         ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
         seq_lens_cpu: list[int] = []
         sample_rows: list[int] = []
         start = 0
-        for i, (req, n) in enumerate(zip(reqs, counts, strict=True)):
-            first = req.num_computed_tokens
+        for i, (state, n) in enumerate(zip(states, counts, strict=True)):
+            first = state.num_computed_tokens
             end = first + n
-            block_ids = so.block_ids[i]
+            block_ids = state.block_ids
+            tokens = state.all_token_ids
             if n == 1:
-                ids[start] = req.all_token_ids[first]
+                ids[start] = tokens[first]
                 pos[start] = first
                 slots[start] = block_ids[first // bs] * bs + first % bs
             else:
                 p = np.arange(first, end)
-                ids[start : start + n] = req.all_token_ids[first:end]
+                ids[start : start + n] = tokens[first:end]
                 pos[start : start + n] = p
                 slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
             seq_lens[i] = end
             seq_lens_cpu.append(end)
-            b.write_block_row(i, req.request_id, block_ids)
+            b.write_block_row(i, state.req_id, block_ids)
             start += n
             qsl[i + 1] = start
             logits_idx[i] = start - 1
-            if end == req.num_tokens:
+            if end == len(tokens):
                 sample_rows.append(i)
-        # Padding (DESIGN §5) and stale tails.
+        # Padding (docs/design.md §5) and stale tails.
         if padded_tokens > num_tokens:
             ids[num_tokens:padded_tokens] = 0
             pos[num_tokens:padded_tokens] = 0
@@ -362,71 +252,74 @@ class ModelRunner:
             b.clear_block_rows(num_reqs, padded_reqs)
         b.copy_to_device(padded_tokens, padded_reqs)
         b.num_reqs_np[0] = num_reqs
-        md = self._metadata(
-            num_reqs,
-            num_tokens,
-            max(counts),
-            max(seq_lens_cpu),
-            uniform,
-            [0, 1] if num_reqs == 1 and num_tokens == 1 else qsl[: num_reqs + 1].tolist(),
-            seq_lens_cpu,
-            padded_reqs,
-            padded_tokens,
+        return InputBatch(
+            req_ids=so.req_ids,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            num_reqs_after_padding=padded_reqs,
+            num_tokens_after_padding=padded_tokens,
+            max_query_len=max(counts),
+            max_seq_len=max(seq_lens_cpu),
+            uniform_decode=uniform,
+            query_start_loc_cpu=(
+                [0, 1] if num_reqs == 1 and num_tokens == 1 else qsl[: num_reqs + 1].tolist()
+            ),
+            seq_lens_cpu=seq_lens_cpu,
+            sample_rows=sample_rows,
+            runtime_mode=mode,
+            batch_descriptor=key,
         )
-        return _Step(mode, key, num_tokens, num_reqs, md, sample_rows)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        step = self._prepare(so)
-        logits, greedy_ids = self._forward(step)
-        kind = "decode" if step.num_tokens == step.num_reqs else "mixed"
-        self.mode_counts[(kind, step.mode.name)] += 1
-        req_ids = [r.request_id for r in so.scheduled_requests]
-        sampled: list[int | None] = [None] * step.num_reqs
+        states = self._update_states(so)
+        batch = self._prepare_inputs(so, states)
+        logits, greedy_ids = self._forward(batch)
+        sampled: list[int | None] = [None] * batch.num_reqs
         logprobs: list | None = None
-        if step.sample_rows:
-            rows = step.sample_rows
-            sampling_reqs = [so.scheduled_requests[i] for i in rows]
+        rows = batch.sample_rows
+        if rows:
+            sampling_states = [states[i] for i in rows]
             if len(rows) != logits.shape[0]:
                 logits = logits[rows]
                 if greedy_ids is not None:
                     greedy_ids = greedy_ids[rows]
-            meta = SamplingMetadata.from_requests(sampling_reqs, self.vocab_size, self.device)
+            meta = SamplingMetadata.from_requests(
+                sampling_states, self.vocab_size, self.device, self._sampling_statics
+            )
             if greedy_ids is not None and meta.is_fast_greedy:
                 # The graph's argmax: the sampler's greedy rule (first maximum).
                 out = SamplerOutput(greedy_ids.tolist(), None)
             else:
                 out = self.sampler(logits, meta)
-            for i, tok in zip(rows, out.sampled_token_ids, strict=True):
+            for i, state, tok in zip(rows, sampling_states, out.sampled_token_ids, strict=True):
                 sampled[i] = tok
+                state.append_output_token(tok)
             if out.logprobs is not None:
-                logprobs = [None] * step.num_reqs
+                logprobs = [None] * batch.num_reqs
                 for i, lp in zip(rows, out.logprobs, strict=True):
                     logprobs[i] = lp
-        return ModelRunnerOutput(req_ids, sampled, logprobs)
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs)
 
-    def _forward(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for each request's last scheduled token ([num_reqs, vocab]), and their
         greedy ids where a full decode graph computed them (else None)."""
-        backend, b = self.attn_backend, self.buffers
+        mode, key, n = batch.runtime_mode, batch.batch_descriptor, batch.num_reqs
+        metadata = self._attention_metadata(batch)
+        b = self.buffers
         with set_forward_context(self._eager_context):
-            if step.mode is RuntimeMode.FULL:
-                backend.update_graph_params(self._graph_slots[step.key], step.metadata)
-                out = self.graphs.replay(step.mode, step.key, self._replay_inputs(step.key))
-                if step.key.uniform:
+            if mode is RuntimeMode.NONE:
+                self.attn_backend.set_eager_metadata(metadata)
+                t = batch.num_tokens
+                hidden = self.model(b.input_ids.gpu[:t], b.positions.gpu[:t])
+            else:
+                out = self.graph_runner.replay(mode, key, {FULL_ATTENTION: metadata})
+                if mode is RuntimeMode.FULL and key.uniform:
                     logits, greedy_ids = out
-                    n = step.num_reqs
                     if logits.shape[0] == n:
                         return logits, greedy_ids
                     return logits[:n], greedy_ids[:n]
                 hidden = out
-            elif step.mode is RuntimeMode.PIECEWISE:
-                backend.set_eager_metadata(step.metadata)
-                hidden = self.graphs.replay(step.mode, step.key, self._replay_inputs(step.key))
-            else:
-                backend.set_eager_metadata(step.metadata)
-                n = step.num_tokens
-                hidden = self.model(b.input_ids.gpu[:n], b.positions.gpu[:n])
-            if step.key.uniform and step.num_tokens == step.num_reqs:
-                return self.model.compute_logits(hidden[: step.num_reqs]), None
-            return self.model.compute_logits(hidden[b.logits_indices.gpu[: step.num_reqs]]), None
+            if key.uniform and batch.num_tokens == n:
+                return self.model.compute_logits(hidden[:n]), None
+            return self.model.compute_logits(hidden[b.logits_indices.gpu[:n]]), None

@@ -15,13 +15,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from decodegraph.attention.backends.base import EAGER_SLOT, AttentionBackend, AttentionMetadata
+import decodegraph.attention.layer  # noqa: F401  (registers the attention ops)
+from decodegraph.attention.backends.base import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadata,
+)
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
 )
-from decodegraph.attention.forward_context import ForwardContext, set_forward_context
-from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.forward_context import EAGER_PARAMS_ID, ForwardContext, set_forward_context
 from decodegraph.native import load_cpu_ops
 from tests.utils.kv import changed_slots
 from tests.utils.native import pytest_without_avx512
@@ -189,9 +193,9 @@ def make_case(
 def run(case: Case, layer_idx: int = 0) -> torch.Tensor:
     """One step through the registered op, as a model calls it."""
     case.backend.set_eager_metadata(case.metadata)
-    with set_forward_context(ForwardContext(case.backend, EAGER_SLOT)):
+    with set_forward_context(ForwardContext(case.backend, EAGER_PARAMS_ID)):
         return torch.ops.decodegraph.unified_attention(
-            case.query, case.key, case.value, layer_idx, EAGER_SLOT
+            case.query, case.key, case.value, layer_idx, EAGER_PARAMS_ID
         )
 
 
@@ -373,32 +377,50 @@ def test_workspace_is_allocated_once_and_reused_at_full_length(kernel: str) -> N
 def test_update_graph_params_refreshes_host_values_and_keeps_tensor_views(kernel: str) -> None:
     backend = make_backend(kernel)
     captured = make_case(backend, [(0, 1), (0, 1)]).metadata
-    slot = backend.new_graph_slot(captured)
-    assert slot != EAGER_SLOT
+    params_id = backend.new_graph_params(captured)
+    assert params_id != EAGER_PARAMS_ID
     views = {f: getattr(captured, f) for f in ("seq_lens", "block_tables", "slot_mapping")}
     step = make_case(backend, [(7, 1), (3, 1)], seed=1).metadata
-    backend.update_graph_params(slot, step)
-    target = backend.slots[slot]
+    backend.update_graph_params(params_id, step)
+    target = backend.params[params_id]
     for name in AttentionMetadata.HOST_FIELDS:
         assert getattr(target, name) == getattr(step, name), name
     for name, tensor in views.items():
         assert getattr(target, name) is tensor, f"{name} must keep its capture-time view"
-    # The host copy of seq_lens the kernels read is the slot's own, refreshed in place.
+    # The host copy of seq_lens the kernels read is the graph's own, refreshed in place.
     assert target.seq_lens_host is not step.seq_lens_host
     assert target.seq_lens_host[:2].tolist() == [8, 4]
 
 
-def test_a_graph_slot_is_independent_of_the_eager_slot(kernel: str) -> None:
+def test_graph_params_are_independent_of_the_eager_params(kernel: str) -> None:
     backend = make_backend(kernel)
     graph_case = make_case(backend, [(5, 1)])
-    slot = backend.new_graph_slot(graph_case.metadata)
+    params_id = backend.new_graph_params(graph_case.metadata)
     eager_case = make_case(backend, [(0, 3)], seed=2)
     backend.set_eager_metadata(eager_case.metadata)
-    with set_forward_context(ForwardContext(backend, slot)):
+    with set_forward_context(ForwardContext(backend, params_id)):
         out = torch.ops.decodegraph.unified_attention(
-            graph_case.query, graph_case.key, graph_case.value, 0, slot
+            graph_case.query, graph_case.key, graph_case.value, 0, params_id
         )
     check(graph_case, out)
+
+
+def test_attention_with_output_writes_the_given_tensor_in_place(kernel: str) -> None:
+    """The op a piecewise graph splits at: the attention written into the output it is
+    given (padded rows zero), so that the output keeps its address."""
+    backend = make_backend(kernel)
+    case = make_case(backend, [(3, 2), (0, 4)], pad_tokens=2)
+    output = torch.full_like(case.query, float("nan"))
+    address = output.data_ptr()
+    backend.set_eager_metadata(case.metadata)
+    with set_forward_context(ForwardContext(backend, EAGER_PARAMS_ID)):
+        torch.ops.decodegraph.unified_attention_with_output(
+            case.query, case.key, case.value, output, 0, EAGER_PARAMS_ID
+        )
+    assert output.data_ptr() == address
+    check(case, output)
+    n = case.metadata.num_actual_tokens
+    assert torch.equal(output[n:], torch.zeros_like(output[n:]))
 
 
 def test_backends_declare_their_graph_support() -> None:
@@ -433,7 +455,8 @@ md = AttentionMetadata(
 b.set_eager_metadata(md)
 rows = min(2, qsl[-1]) if n > 1 else qsl[-1]
 try:
-    b.forward(torch.randn(rows, 32), torch.randn(rows, 16), torch.randn(rows, 16), 0, 0)
+    q = torch.randn(rows, 32)
+    b.forward(q, torch.randn(rows, 16), torch.randn(rows, 16), torch.empty_like(q), 0, 0)
 except (ValueError, RuntimeError, IndexError, AssertionError) as e:
     print("refused:", e)
 """

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.attention.backends.base import AttentionCGSupport
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DIR = Path(__file__).resolve().parents[2] / ".triton"
@@ -150,8 +150,8 @@ else:
             compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [4, 8]},
         )
         runner = llm.llm_engine.runner
-        assert runner.attn_backend.name == "TRITON_ATTN" and runner.mode.name == "FULL"
+        assert runner.attn_backend.name == "TRITON_ATTN" and runner.graph_runner.mode.name == "FULL"
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected
-        assert runner.mode_counts[("mixed", "FULL")] >= 1
-        assert runner.mode_counts[("decode", "FULL")] >= 1
+        assert runner.graph_runner.mode_counts[("mixed", "FULL")] >= 1
+        assert runner.graph_runner.mode_counts[("decode", "FULL")] >= 1

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from decodegraph.core.kv_cache_manager import KVCacheManager
-from decodegraph.engine.request import Request
-from decodegraph.sampling_params import SamplingParams
+from decodegraph.request import Request
+from tests.utils.requests import make_request
 
 BLOCK_SIZE = 4
-
-
-def make_request(req_id: str, prompt: list[int]) -> Request:
-    return Request(req_id, list(prompt), SamplingParams(max_tokens=8))
 
 
 def admit(kv: KVCacheManager, request: Request) -> int:

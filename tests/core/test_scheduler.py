@@ -12,41 +12,76 @@ from __future__ import annotations
 import pytest
 
 from decodegraph.config import CacheConfig, SchedulerConfig
-from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from decodegraph.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from decodegraph.core.scheduler import Scheduler
-from decodegraph.engine.request import EngineCoreOutput, Request, RequestStatus
 from decodegraph.outputs import Logprob
-from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+from decodegraph.request import Request, RequestStatus
+from decodegraph.sampling_params import RequestOutputKind
+from tests.utils.requests import make_request
 
 BLOCK_SIZE = 4
 
 
 class KVModel:
-    """Test driver: a fake model over a simulated paged KV cache (token ids as K/V)."""
+    """Test driver: a fake model over a simulated paged KV cache (token ids as K/V).
+
+    Like the real model runner it sees only the scheduler's plain data: it keeps its own
+    state per request (tokens, block table) from `NewRequestData`, the per-step deltas
+    and the tokens it samples, so a wrong delta changes the output too."""
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        # req id -> [tokens, block table, computed tokens]
+        self.states: dict[str, list] = {}
+
+    def _update(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states
+            tokens = list(new.prompt_token_ids)
+            self.states[new.req_id] = [tokens, list(new.block_ids), new.num_computed_tokens]
+        cached = so.scheduled_cached_reqs
+        for req_id, resumed, blocks, computed in zip(
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            strict=True,
+        ):
+            state = self.states[req_id]
+            if resumed:
+                state[1] = list(blocks)
+            elif blocks is not None:
+                state[1].extend(blocks)
+            state[2] = computed
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens)
+        self._update(so)
         sampled: list[int | None] = []
-        for req, n, table in zip(
-            so.scheduled_requests, so.num_scheduled_tokens, so.block_ids, strict=True
-        ):
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            assert 0 < n and end <= req.num_tokens
+        for req_id, n in zip(so.req_ids, so.num_scheduled_tokens, strict=True):
+            tokens, table, computed = self.states[req_id]
+            start, end = computed, computed + n
+            assert 0 < n and end <= len(tokens)
             assert len(table) * bs >= end and 0 not in table
             for pos in range(start, end):
-                self.kv[table[pos // bs]][pos % bs] = req.all_token_ids[pos]
-            if end < req.num_tokens:
+                self.kv[table[pos // bs]][pos % bs] = tokens[pos]
+            if end < len(tokens):
                 sampled.append(None)
                 continue
             context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
             assert None not in context
-            sampled.append((sum(context) * 31 + len(context)) % 500 + 10)  # type: ignore[arg-type]
-        return ModelRunnerOutput([r.request_id for r in so.scheduled_requests], sampled)
+            token = (sum(context) * 31 + len(context)) % 500 + 10  # type: ignore[arg-type]
+            tokens.append(token)
+            sampled.append(token)
+        return ModelRunnerOutput(list(so.req_ids), sampled)
+
+
+def ids(*requests: Request) -> list[str]:
+    return [r.request_id for r in requests]
 
 
 def make_scheduler(
@@ -64,11 +99,6 @@ def make_scheduler(
         num_blocks=num_blocks,
     )
     return sched, KVModel(num_blocks)
-
-
-def make_request(req_id: str, prompt: list[int], eos: int | None = None, **params) -> Request:
-    params.setdefault("max_tokens", 8)
-    return Request(req_id, list(prompt), SamplingParams(**params), eos_token_id=eos)
 
 
 def step(sched: Scheduler, model: KVModel) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -125,7 +155,7 @@ def test_continuous_batching_admits_new_requests_while_others_decode() -> None:
     sched.add_request(b)
     so, outs = step(sched, model)
     # Running first (a decodes one token), then the new one with its whole prompt.
-    assert so.scheduled_requests == [a, b]
+    assert so.req_ids == ids(a, b)
     assert so.num_scheduled_tokens == [1, b.num_prompt_tokens]
     assert {o.request_id for o in outs} == {"a", "b"}
     run_to_completion(sched, model)
@@ -139,11 +169,11 @@ def test_token_budget_is_respected_and_splits_the_last_admitted_prompt() -> None
     for r in reqs:
         sched.add_request(r)
     so, _ = step(sched, model)
-    assert so.scheduled_requests == reqs[:2] and so.num_scheduled_tokens == [6, 4]
+    assert so.req_ids == ids(*reqs[:2]) and so.num_scheduled_tokens == [6, 4]
     assert so.total_num_scheduled_tokens == 10
     so, _ = step(sched, model)
     # r0 decodes, r1 finishes its prompt, r2 gets what is left of the budget.
-    assert so.num_scheduled_tokens == [1, 2, 6] and so.scheduled_requests == reqs
+    assert so.num_scheduled_tokens == [1, 2, 6] and so.req_ids == ids(*reqs)
     run_to_completion(sched, model)
     assert all(r.num_output_tokens == 8 for r in reqs)
 
@@ -154,13 +184,13 @@ def test_max_num_seqs_caps_running_requests() -> None:
     for r in reqs:
         sched.add_request(r)
     so, _ = step(sched, model)
-    assert so.scheduled_requests == reqs[:2] and sched.num_waiting == 1
+    assert so.req_ids == ids(*reqs[:2]) and sched.num_waiting == 1
     step(sched, model)
     so, _ = step(sched, model)  # r0 and r1 finish here
     assert sched.num_running == 0
     so, _ = step(sched, model)
-    assert so.scheduled_requests == [reqs[2]]
-    assert so.finished_request_ids == {"0", "1"}
+    assert so.req_ids == ids(reqs[2])
+    assert so.finished_req_ids == {"0", "1"}
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_samples_only_on_the_last_chunk() -> None:
@@ -187,9 +217,9 @@ def test_without_chunked_prefill_waiting_requests_are_admitted_whole_and_fcfs() 
         sched.add_request(r)
     so, _ = step(sched, model)
     # small does not fit the 28 tokens left; tiny would, but it must not jump the queue.
-    assert so.scheduled_requests == [big] and so.num_scheduled_tokens == [100]
+    assert so.req_ids == ids(big) and so.num_scheduled_tokens == [100]
     so, _ = step(sched, model)
-    assert so.scheduled_requests == [big, small, tiny]
+    assert so.req_ids == ids(big, small, tiny)
     assert so.num_scheduled_tokens == [1, 30, 2]
 
 
@@ -211,11 +241,11 @@ def test_preemption_under_a_tiny_block_budget_recomputes_the_latest_arrival() ->
         if not sched.has_unfinished_requests():
             break
         so, _ = step(sched, model)
-        for rid in so.preempted_request_ids:
+        for rid in so.preempted_req_ids:
             victim = next(r for r in reqs if r.request_id == rid)
             assert victim.status == RequestStatus.PREEMPTED
             assert victim.num_computed_tokens == 0 and sched.waiting[0] is victim
-            assert rid not in {r.request_id for r in so.scheduled_requests}
+            assert rid not in set(so.req_ids)
             victims.append(rid)
     assert victims and victims[0] == "c"  # the last to arrive goes first
     assert sum(r.num_preemptions for r in reqs) == len(victims)
@@ -236,9 +266,9 @@ def test_preempted_request_goes_to_the_front_of_waiting_before_new_ones() -> Non
     preempted: set[str] = set()
     while not preempted:
         so, _ = step(sched, model)
-        preempted = so.preempted_request_ids
+        preempted = so.preempted_req_ids
     assert preempted == {"b"} and list(sched.waiting) == [b, c]
-    assert so.scheduled_requests == [a] and b.num_preemptions == 1
+    assert so.req_ids == ids(a) and b.num_preemptions == 1
     run_to_completion(sched, model)
     assert [r.num_output_tokens for r in (a, b, c)] == [8, 8, 8]
     assert_all_blocks_free(sched)
@@ -284,7 +314,7 @@ def test_abort_of_waiting_and_running_requests_frees_their_blocks() -> None:
     assert not sched.has_unfinished_requests() and sched.get_num_unfinished_requests() == 0
     assert_all_blocks_free(sched)
     so = sched.schedule()
-    assert so.scheduled_requests == [] and so.finished_request_ids == {"run", "wait"}
+    assert so.req_ids == [] and so.finished_req_ids == {"run", "wait"}
 
 
 def test_request_aborted_between_schedule_and_update_is_skipped() -> None:

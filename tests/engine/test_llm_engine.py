@@ -16,11 +16,12 @@ import torch
 
 from decodegraph import LLM, RequestOutput, SamplingParams
 from decodegraph.engine.llm_engine import LLMEngine
-from decodegraph.engine.request import Request
+from decodegraph.request import Request
 from decodegraph.sampling_params import RequestOutputKind
 from tests.utils.checkpoints import make_checkpoint
+from tests.utils.requests import greedy
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+GREEDY = greedy(24, ignore_eos=False)
 # Token ids of a story-like prompt (BOS first), cut to any length by prompt().
 _STORY = (
     [1, 403, 407, 261, 378, 17, 300, 383, 261, 438, 463, 280, 263, 443, 311, 275, 393]
@@ -106,13 +107,13 @@ def test_large_decode_batches_beside_one_token_prefill_chunks_do_not_change_ids(
     engine = make_engine(stories_dir, max_num_seqs=48, max_num_batched_tokens=41)
     runner = engine.runner
     batches: list[tuple[int, int]] = []
-    original = runner._prepare
+    original = runner._prepare_inputs
 
-    def spy(so):  # noqa: ANN001, ANN202
-        batches.append((len(so.scheduled_requests), so.total_num_scheduled_tokens))
-        return original(so)
+    def spy(so, states):  # noqa: ANN001, ANN202
+        batches.append((so.num_reqs, so.total_num_scheduled_tokens))
+        return original(so, states)
 
-    monkeypatch.setattr(runner, "_prepare", spy)
+    monkeypatch.setattr(runner, "_prepare_inputs", spy)
     prompts = [prompt(2 + i % 3, i) for i in range(40)] + [prompt(30, 5)]
     params = SamplingParams(temperature=0.0, max_tokens=40)
     assert ids_of(run(engine, prompts, params)[0]) == reference_ids(ref, prompts, params)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from decodegraph.core.sched_output import EngineCoreOutput
 from decodegraph.engine.output_processor import OutputProcessor
-from decodegraph.engine.request import EngineCoreOutput
 from decodegraph.outputs import Logprob
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 

@@ -10,6 +10,7 @@ import torch
 
 from decodegraph import LLM, RequestOutput, SamplingParams
 from tests.conftest import STORIES_GREEDY_TEXT
+from tests.utils.requests import greedy
 
 PROMPTS = [
     "Once upon a time",
@@ -17,7 +18,7 @@ PROMPTS = [
     "The cat",
     "Lily wanted to bake a cake for her mom, so she went to the kitchen and took out",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
+GREEDY = greedy(32, ignore_eos=False)
 # Plain concatenation behind the BOS token: the chat prompt is the same as the raw text.
 CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 

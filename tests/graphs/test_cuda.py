@@ -14,13 +14,15 @@ import torch
 
 from decodegraph.attention.selector import ENV_VAR
 from decodegraph.entrypoints.llm import LLM
-from decodegraph.graphs.dispatcher import BatchDescriptor
-from decodegraph.graphs.graph import CudaGraph, InputAddressError
-from decodegraph.graphs.manager import CaptureClosedError
+from decodegraph.forward_context import BatchDescriptor
+from decodegraph.graphs.graph_runner import CaptureClosedError
 from decodegraph.graphs.modes import RuntimeMode
-from decodegraph.sampling_params import SamplingParams
+from decodegraph.graphs.piecewise import PiecewiseGraph
+from decodegraph.platforms.base import InputAddressError
+from decodegraph.platforms.cuda import CudaGraph
 from tests.utils.checkpoints import make_checkpoint
 from tests.utils.kv import changed_slots
+from tests.utils.requests import greedy
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA graphs need an NVIDIA GPU; none is available"
@@ -43,7 +45,7 @@ GRAPHS_PER_SIZE = {
     "FULL_DECODE_ONLY": 1,
     "FULL_AND_PIECEWISE": 1 + NUM_LAYERS + 1,
 }
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(12)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -101,9 +103,9 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_replay_equals_eager(engine: Callable[[str], LLM], mode: str, bs: int) -> None:
     prompts = _prompts(bs, seed=bs)
     llm = engine(mode)
-    before = sum(n for (_, m), n in llm.llm_engine.runner.mode_counts.items() if m != "NONE")
+    before = sum(n for (_, m), n in llm.llm_engine.runner.graph_runner.mode_counts.items() if m != "NONE")
     assert _greedy(llm, prompts) == _greedy(engine("NONE"), prompts)
-    after = sum(n for (_, m), n in llm.llm_engine.runner.mode_counts.items() if m != "NONE")
+    after = sum(n for (_, m), n in llm.llm_engine.runner.graph_runner.mode_counts.items() if m != "NONE")
     if bs <= SIZES[-1]:
         assert after > before, "no graph replayed"
 
@@ -114,21 +116,34 @@ def test_resolved_mode_and_graph_count(
 ) -> None:
     runner = engine(mode).llm_engine.runner
     resolved = RESOLVED[backend][mode]
-    assert runner.mode.name == resolved
-    assert runner.capture_stats.num_graphs == GRAPHS_PER_SIZE[resolved] * len(SIZES)
-    assert runner.graphs.kind == "cuda"
+    assert runner.graph_runner.mode.name == resolved
+    assert runner.graph_runner.stats.num_graphs == GRAPHS_PER_SIZE[resolved] * len(SIZES)
+    assert runner.graph_runner.platform.name == "cuda"
+
+
+def test_piecewise_pieces_bind_no_weight(engine: Callable[[str], LLM]) -> None:
+    """Every piece argument is a graph input or an earlier piece's output: no weight is
+    ever an argument of (or copied into) a CUDA piece."""
+    runner = engine("PIECEWISE").llm_engine.runner
+    weights = {t.data_ptr() for t in [*runner.model.parameters(), *runner.model.buffers()]}
+    graphs = [g for g in runner.graph_runner.graphs.values() if isinstance(g, PiecewiseGraph)]
+    assert len(graphs) == len(SIZES)
+    for graph in graphs:
+        for name in graph.piece_names:
+            piece = getattr(graph.split, name)
+            assert not {t.data_ptr() for t in piece.graph.inputs} & weights
 
 
 def test_graphs_share_one_memory_pool_and_count_their_memory(
     engine: Callable[[str], LLM],
 ) -> None:
     runner = engine("FULL_DECODE_ONLY").llm_engine.runner
-    full = [g for g in runner.graphs.graphs.values() if isinstance(g, CudaGraph)]
+    full = [g for g in runner.graph_runner.graphs.values() if isinstance(g, CudaGraph)]
     assert len(full) == len(SIZES)
     pools = {g._graph.pool() for g in full}
     assert len(pools) == 1
-    assert runner.capture_stats.memory_bytes >= 0
-    assert runner.capture_stats.seconds > 0
+    assert runner.graph_runner.stats.memory_bytes >= 0
+    assert runner.graph_runner.stats.seconds > 0
 
 
 def test_padded_decode_rows_write_only_the_null_block(engine: Callable[[str], LLM]) -> None:
@@ -138,9 +153,9 @@ def test_padded_decode_rows_write_only_the_null_block(engine: Callable[[str], LL
         eng.add_request(f"pad{i}", prompt, GREEDY)
     eng.step()  # the prefill (eager)
     before = [t.clone() for pair in runner.attn_backend.kv_caches for t in pair]
-    full_before = runner.mode_counts[("decode", "FULL")]
+    full_before = runner.graph_runner.mode_counts[("decode", "FULL")]
     eng.step()  # decode of 3, padded to 4
-    assert runner.mode_counts[("decode", "FULL")] == full_before + 1
+    assert runner.graph_runner.mode_counts[("decode", "FULL")] == full_before + 1
     written = sorted(runner.buffers.slot_mapping.np[:3].tolist())
     bs = runner.block_size
     for old, new in zip(before, [t for p in runner.attn_backend.kv_caches for t in p], strict=True):
@@ -150,19 +165,23 @@ def test_padded_decode_rows_write_only_the_null_block(engine: Callable[[str], LL
         eng.step()
 
 
-def test_a_changed_input_address_is_caught_on_first_replay() -> None:
+def test_a_cuda_graph_replays_its_bound_inputs_and_checks_addresses() -> None:
     x = torch.randn(4, 8, device="cuda")
     w = torch.randn(8, 8, device="cuda")
-    graph = CudaGraph("g", lambda a, b: a @ b, [x, w], torch.cuda.graph_pool_handle(), 1)
+    stream = torch.cuda.Stream()
+    graph = CudaGraph("g", lambda a, b: a @ b, [x, w], torch.cuda.graph_pool_handle(), 1, stream)
     with pytest.raises(InputAddressError):
-        graph.replay([x.clone(), w])
-    torch.testing.assert_close(graph.replay([x, w]), x @ w)
+        graph.check_inputs([x.clone(), w])
+    x.copy_(torch.randn(4, 8, device="cuda"))
+    torch.testing.assert_close(graph.replay(), x @ w)
 
 
 def test_a_late_capture_raises(engine: Callable[[str], LLM]) -> None:
     runner = engine("FULL_DECODE_ONLY").llm_engine.runner
     with pytest.raises(CaptureClosedError):
-        runner._capture_one(RuntimeMode.FULL, BatchDescriptor(1, 1, True))
+        runner.graph_runner.capture(
+            RuntimeMode.FULL, BatchDescriptor(1, 1, True), runner.model, runner._prepare_dummy
+        )
 
 
 def test_a_small_model_starts_with_graphs_and_the_default_memory_budget(

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from decodegraph.graphs.dispatcher import BatchDescriptor, CudagraphDispatcher
+from decodegraph.forward_context import BatchDescriptor
+from decodegraph.graphs.dispatcher import CudagraphDispatcher
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
 
 M = CUDAGraphMode

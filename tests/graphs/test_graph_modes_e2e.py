@@ -1,4 +1,4 @@
-"""Every graph mode end to end (DESIGN §7 invariants 1, 3, 5, 6): greedy ids equal mode
+"""Every graph mode end to end (docs/design.md §7 invariants 1, 3, 5, 6): greedy ids equal mode
 NONE's on stories260K and on random Llama (GQA) and Qwen3 checkpoints, for batch sizes
 that need padding, mixed prompt lengths, chunked prefill, preemption and prefix-cache hits;
 graph counts per mode on a real engine; the `decodegraph graphs` CLI."""
@@ -16,11 +16,12 @@ import pytest
 
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.entrypoints.llm import LLM
-from decodegraph.graphs.dispatcher import BatchDescriptor
-from decodegraph.graphs.manager import CaptureClosedError
+from decodegraph.forward_context import BatchDescriptor
+from decodegraph.graphs.graph_runner import CaptureClosedError
 from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.sampling_params import SamplingParams
 from tests.utils.checkpoints import make_checkpoint
+from tests.utils.requests import greedy
 
 GRAPH_MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 ALL_MODES = ["NONE", *GRAPH_MODES]
@@ -44,10 +45,6 @@ CONFIGS: dict[str, dict[str, object]] = {
     # step, so uniform one-token batches hold a row that does not sample.
     "one-token-chunks": {"max_model_len": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16},
 }
-
-
-def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +88,14 @@ def _prompts(model: str, count: int, lengths: tuple[int, int], seed: int) -> lis
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    outs = llm.generate(prompts, _greedy(max_tokens), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
 def _ran(llm: LLM, before: dict[tuple[str, str], int]) -> dict[str, int]:
     """Steps run per runtime mode since `before` (a copy of mode_counts)."""
     totals: dict[str, int] = {}
-    for (kind, mode), count in llm.llm_engine.runner.mode_counts.items():
+    for (kind, mode), count in llm.llm_engine.runner.graph_runner.mode_counts.items():
         totals[mode] = totals.get(mode, 0) + count - before.get((kind, mode), 0)
     return {m: n for m, n in totals.items() if n}
 
@@ -114,7 +111,7 @@ def _compare(
     """Greedy ids of `mode` equal NONE's; returns the steps run per runtime mode."""
     expected = _run(engine(model, "NONE", config), prompts, max_tokens)
     llm = engine(model, mode, config)
-    before = dict(llm.llm_engine.runner.mode_counts)
+    before = dict(llm.llm_engine.runner.graph_runner.mode_counts)
     assert _run(llm, prompts, max_tokens) == expected
     return _ran(llm, before)
 
@@ -210,14 +207,14 @@ def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir
         max_num_batched_tokens=16,
     )
     runner = llm.llm_engine.runner
-    assert runner.dispatcher.capture_sizes == [1, 4, 16]
+    assert runner.graph_runner.dispatcher.capture_sizes == [1, 4, 16]
     # Full decode graphs for 1 and 4 requests; 6 pieces for each of the three sizes.
-    assert runner.capture_stats.num_graphs == 2 + 3 * 6
+    assert runner.graph_runner.stats.num_graphs == 2 + 3 * 6
     prompts = _prompts("stories", 2, (20, 30), seed=9)  # chunks of 16 tokens
-    before = dict(runner.mode_counts)
+    before = dict(runner.graph_runner.mode_counts)
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=8)
     assert _run(llm, prompts, 6) == _run(eager, prompts, 6)
-    assert runner.mode_counts[("mixed", "PIECEWISE")] > before.get(("mixed", "PIECEWISE"), 0)
+    assert runner.graph_runner.mode_counts[("mixed", "PIECEWISE")] > before.get(("mixed", "PIECEWISE"), 0)
 
 
 @pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
@@ -242,7 +239,7 @@ def test_other_block_sizes_and_bfloat16_match_mode_none(
         **kwargs,
     )
     assert _run(llm, prompts, 12) == _run(eager, prompts, 12)
-    assert llm.llm_engine.runner.mode_counts[("decode", "FULL")] == 11
+    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 11
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
@@ -282,7 +279,7 @@ def test_aborts_mid_decode_leak_no_kv_blocks(engine: Callable[..., LLM], mode: s
     eng = engine("llama-gqa", mode).llm_engine
     free_before = eng.get_stats().num_free_blocks
     for i, prompt in enumerate(_prompts("llama-gqa", 6, (2, 20), seed=17)):
-        eng.add_request(f"abort-{mode}-{i}", prompt, _greedy(12))
+        eng.add_request(f"abort-{mode}-{i}", prompt, greedy(12))
     for _ in range(4):
         eng.step()
     eng.abort_request([f"abort-{mode}-{i}" for i in range(0, 6, 2)])
@@ -304,7 +301,7 @@ def test_default_capture_sizes_stop_at_max_num_batched_tokens(
         max_num_seqs=16,
         max_num_batched_tokens=8,
     )
-    assert max(llm.llm_engine.runner.dispatcher.capture_sizes) <= 8
+    assert max(llm.llm_engine.runner.graph_runner.dispatcher.capture_sizes) <= 8
 
 
 # ---------------------------------------------------------------- counts and capture
@@ -326,18 +323,20 @@ def _expected_graphs(mode: str, num_sizes: int, num_layers: int) -> int:
 @pytest.mark.parametrize("model", MODELS)
 def test_graph_count_on_a_real_engine(engine: Callable[..., LLM], model: str, mode: str) -> None:
     runner = engine(model, mode).llm_engine.runner
-    assert runner.mode.name == mode  # the CPU backend supports ALWAYS: no downgrade
+    assert runner.graph_runner.mode.name == mode  # the CPU backend supports ALWAYS: no downgrade
     expected = _expected_graphs(mode, len(SIZES), NUM_LAYERS[model])
-    assert runner.capture_stats.num_graphs == expected
-    assert runner.graphs.stats.num_graphs == expected
+    assert runner.graph_runner.stats.num_graphs == expected
+    assert sum(runner.graph_runner.stats.by_mode.values()) == expected
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_capture_is_closed_after_start_up(engine: Callable[..., LLM], mode: str) -> None:
     runner = engine("stories", mode).llm_engine.runner
-    assert runner.graphs.closed
+    assert runner.graph_runner.closed
     with pytest.raises(CaptureClosedError):
-        runner.graphs.capture(RuntimeMode.FULL, BatchDescriptor(1, 1, True), lambda: None, [])
+        runner.graph_runner.capture(
+            RuntimeMode.FULL, BatchDescriptor(1, 1, True), runner.model, runner._prepare_dummy
+        )
 
 
 @pytest.mark.parametrize(
@@ -351,9 +350,9 @@ def test_capture_is_closed_after_start_up(engine: Callable[..., LLM], mode: str)
 )
 def test_mode_counts_report_decode_steps_as_decode(engine: Callable[..., LLM], mode: str) -> None:
     llm = engine("stories", mode)
-    before = dict(llm.llm_engine.runner.mode_counts)
+    before = dict(llm.llm_engine.runner.graph_runner.mode_counts)
     _run(llm, _prompts("stories", 1, (3, 3), seed=1), max_tokens=6)
-    counts = llm.llm_engine.runner.mode_counts
+    counts = llm.llm_engine.runner.graph_runner.mode_counts
     decode_mode = "PIECEWISE" if mode == "PIECEWISE" else "FULL"
     assert counts[("decode", decode_mode)] - before.get(("decode", decode_mode), 0) == 5
 
@@ -391,14 +390,14 @@ def test_full_decode_graph_batches_with_a_row_that_does_not_sample_match_mode_no
     llm = engine("stories", mode, "one-token-chunks")
     runner = llm.llm_engine.runner
     batches: list[tuple[int, int]] = []
-    prepare = runner._prepare
+    prepare = runner._prepare_inputs
 
-    def spy(so):  # noqa: ANN001, ANN202
-        step = prepare(so)
-        batches.append((step.num_reqs, len(step.sample_rows)))
-        return step
+    def spy(so, states):  # noqa: ANN001, ANN202
+        batch = prepare(so, states)
+        batches.append((batch.num_reqs, len(batch.sample_rows)))
+        return batch
 
-    monkeypatch.setattr(runner, "_prepare", spy)
+    monkeypatch.setattr(runner, "_prepare_inputs", spy)
     prompts = _prompts("stories", 15, (1, 3), seed=5) + _prompts("stories", 1, (30, 30), seed=6)
     expected = _run(engine("stories", "NONE", "one-token-chunks"), prompts, 24)
     assert _run(llm, prompts, 24) == expected
@@ -420,7 +419,7 @@ def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path
     )
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4)
     assert _run(llm, prompts, 16) == _run(eager, prompts, 16)
-    assert llm.llm_engine.runner.mode_counts[("decode", "FULL")] == 15
+    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 15
 
 
 def test_inductor_freezing_leaves_kv_caches_and_metadata_live(stories_dir: Path) -> None:
@@ -439,7 +438,7 @@ def test_inductor_freezing_leaves_kv_caches_and_metadata_live(stories_dir: Path)
     )
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4)
     assert _run(llm, prompts, 24) == _run(eager, prompts, 24)
-    assert llm.llm_engine.runner.mode_counts[("decode", "FULL")] == 23
+    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 23
 
 
 # ---------------------------------------------------------------- CLI

@@ -6,13 +6,9 @@ import logging
 
 import pytest
 
+from decodegraph.attention.backends.base import AttentionCGSupport
 from decodegraph.config import CompilationConfig
-from decodegraph.graphs.modes import (
-    AttentionCGSupport,
-    CUDAGraphMode,
-    RuntimeMode,
-    resolve_cudagraph_mode,
-)
+from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, resolve_cudagraph_mode
 
 M = CUDAGraphMode
 S = AttentionCGSupport

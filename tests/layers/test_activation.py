@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decodegraph.graphs.graph import trace
 from decodegraph.layers.activation import get_act_and_mul_fn
+from decodegraph.platforms.cpu import CpuPlatform
+from decodegraph.platforms.cpu_graph import trace
 from tests.utils.native import pytest_without_avx512
 
 
@@ -38,7 +39,7 @@ def test_silu_and_mul_runs_the_native_operator_eagerly_and_aten_ops_in_a_graph(
     with torch.profiler.profile() as prof:
         act(x)
     assert "decodegraph_cpu::silu_and_mul" in {e.name for e in prof.events()}
-    gm = trace(lambda a: act(a), [x])
+    gm = trace(lambda a: act(a), [x], CpuPlatform().graph_decompositions())
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert not any("decodegraph_cpu" in t for t in targets), targets
     torch.testing.assert_close(gm(x), act(x), rtol=1e-6, atol=1e-6)

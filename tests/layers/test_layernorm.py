@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from decodegraph.graphs.graph import trace
 from decodegraph.layers.layernorm import RMSNorm
+from decodegraph.platforms.cpu import CpuPlatform
+from decodegraph.platforms.cpu_graph import trace
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
@@ -54,7 +55,7 @@ def test_rmsnorm_runs_the_native_operator_eagerly_and_aten_ops_in_a_graph(
     with torch.profiler.profile() as prof:
         norm(x, residual)
     assert "decodegraph_cpu::fused_add_rms_norm" in {e.name for e in prof.events()}
-    gm = trace(lambda a, b: norm(a, b), [x, residual])
+    gm = trace(lambda a, b: norm(a, b), [x, residual], CpuPlatform().graph_decompositions())
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert not any("decodegraph_cpu" in t for t in targets), targets
     for got, want in zip(gm(x, residual), norm(x, residual), strict=True):

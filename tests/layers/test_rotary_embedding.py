@@ -10,13 +10,14 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from decodegraph.graphs.graph import trace
 from decodegraph.layers.rotary_embedding import (
     apply_rotary_emb,
     compute_inv_freq,
     get_rope,
     get_rope_parameters,
 )
+from decodegraph.platforms.cpu import CpuPlatform
+from decodegraph.platforms.cpu_graph import trace
 
 HEAD_DIM = 32
 ROPES: dict[str, dict[str, Any]] = {
@@ -174,7 +175,7 @@ def test_rotation_runs_the_native_operator_eagerly_and_aten_ops_in_a_graph(
     with torch.profiler.profile() as prof:
         rotate(x, positions)
     assert "decodegraph_cpu::rotary_embedding" in {e.name for e in prof.events()}
-    gm = trace(rotate, [x, positions])
+    gm = trace(rotate, [x, positions], CpuPlatform().graph_decompositions())
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert not any("decodegraph_cpu" in t for t in targets), targets
     assert torch.equal(gm(x, positions), rotate(x, positions))

@@ -5,29 +5,30 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from contextlib import ExitStack
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 import torch
 
-import decodegraph.engine.llm_engine as llm_engine_module
 from decodegraph.attention import selector
-from decodegraph.attention.backends.base import AttentionBackend
+from decodegraph.attention.backends.base import AttentionBackend, AttentionCGSupport
 from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
 )
+from decodegraph.config import DeviceConfig
 from decodegraph.entrypoints.llm import LLM
-from decodegraph.graphs.modes import AttentionCGSupport, CUDAGraphMode
-from decodegraph.platforms import get_platform
+from decodegraph.graphs.modes import CUDAGraphMode
+from decodegraph.platforms import get_platform, platform_names
 from decodegraph.platforms.base import Platform
 from decodegraph.platforms.cpu import CpuPlatform
 from decodegraph.platforms.cuda import CudaPlatform
-from decodegraph.sampling_params import SamplingParams
+from tests.utils.platforms import NoGraphCpuPlatform, registered_backend, registered_platform
+from tests.utils.requests import greedy
 
 MODES_LOGGER = "decodegraph.graphs.modes"
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(10)
 PROMPTS = [[1, 40, 41, 42], [1, 90], [1, 7, 8]]
 
 
@@ -36,9 +37,9 @@ def test_get_platform_cpu() -> None:
     assert isinstance(platform, CpuPlatform)
     assert platform.device() == torch.device("cpu")
     assert platform.dist_backend == "gloo"
-    assert platform.graph_capture_kind == "cpu"
     assert platform.supports_graphs
-    assert platform.attention_backend_cls() is CPUAttentionBackend
+    assert platform.graph_pool() is None
+    assert selector.get_attn_backend(platform) is CPUAttentionBackend
     platform.synchronize()  # a no-op that must not fail
 
 
@@ -47,23 +48,32 @@ def test_get_platform_cuda_needs_no_device_to_describe_itself() -> None:
     assert isinstance(platform, CudaPlatform)
     assert platform.device_type == "cuda"
     assert platform.dist_backend == "nccl"
-    assert platform.graph_capture_kind == "cuda"
     assert platform.supports_graphs
     expected = "TRITON_ATTN" if importlib.util.find_spec("triton") else "CUDA_TORCH"
-    assert platform.attention_backend_cls().name == expected
+    assert platform.default_attention_backend == expected
 
 
 def test_the_attention_backend_can_be_chosen_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(selector.ENV_VAR, "cuda_torch")
-    assert get_platform("cpu").attention_backend_cls() is CUDATorchAttentionBackend
+    assert selector.get_attn_backend(get_platform("cpu")) is CUDATorchAttentionBackend
     monkeypatch.setenv(selector.ENV_VAR, "FLASH_ATTN")
     with pytest.raises(ValueError, match="DECODEGRAPH_ATTENTION_BACKEND.*CPU_TORCH, CUDA_TORCH"):
-        get_platform("cuda").attention_backend_cls()
+        selector.get_attn_backend(get_platform("cuda"))
 
 
 def test_get_platform_rejects_an_unknown_device_listing_the_known_ones() -> None:
     with pytest.raises(ValueError, match="cpu, cuda"):
         get_platform("npu")
+    with pytest.raises(ValueError, match="device: 'npu' is not one of auto, cpu, cuda"):
+        DeviceConfig(device="npu")
+
+
+def test_a_registered_platform_is_a_device_choice_until_unregistered() -> None:
+    with registered_platform(NoGraphCpuPlatform) as name:
+        assert name in platform_names()
+        assert DeviceConfig(device=name).device == name
+        assert isinstance(get_platform(name), NoGraphCpuPlatform)
+    assert name not in platform_names()
 
 
 @pytest.mark.parametrize("platform_cls", [CpuPlatform, CudaPlatform], ids=["cpu", "cuda"])
@@ -76,12 +86,15 @@ def test_default_capture_sizes_are_sorted_unique_and_start_at_one(
     assert all(isinstance(s, int) and s > 0 for s in sizes)
 
 
-def test_the_base_platform_has_no_graphs() -> None:
+def test_the_base_platform_has_no_graphs_and_names_no_backend() -> None:
     platform = Platform()
     assert not platform.supports_graphs
+    assert platform.graph_pool() is None
     assert platform.memory_allocated() == 0
-    with pytest.raises(NotImplementedError):
-        platform.attention_backend_cls()
+    with pytest.raises(NotImplementedError, match="cannot capture graphs"):
+        platform.make_graph("g", lambda x: x, [torch.ones(1)], None, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="names no attention backend"):
+        selector.get_attn_backend(platform)
 
 
 def test_cpu_kv_cache_budget_is_positive_and_bounded() -> None:
@@ -92,44 +105,36 @@ def test_cpu_kv_cache_budget_is_positive_and_bounded() -> None:
 # ---------------------------------------------------------------- resolution on an engine
 
 
-class NoGraphCpuPlatform(CpuPlatform):
-    """A CPU platform that cannot capture graphs."""
-
-    name: ClassVar[str] = "cpu-no-graphs"
-    graph_capture_kind: ClassVar[str | None] = None
-
-
 def _backend_declaring(level: AttentionCGSupport) -> type[AttentionBackend]:
-    return type(f"CPUAttention{level.name}", (CPUAttentionBackend,), {"cudagraph_support": level})
+    attrs = {"cudagraph_support": level, "name": f"CPU_{level.name}"}
+    return type(f"CPUAttention{level.name}", (CPUAttentionBackend,), attrs)
 
 
 def _platform_with_support(level: AttentionCGSupport) -> type[Platform]:
     backend = _backend_declaring(level)
-
-    class LimitedCpuPlatform(CpuPlatform):
-        def attention_backend_cls(self) -> type[AttentionBackend]:
-            return backend
-
-    return LimitedCpuPlatform
+    attrs = {"default_attention_backend": backend.name, "test_backend": backend}
+    return type(f"LimitedCpuPlatform{level.name}", (CpuPlatform,), attrs)
 
 
-def _start(
-    stories_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    platform_cls: type[Platform],
-    mode: str,
-) -> LLM:
-    monkeypatch.setattr(llm_engine_module, "get_platform", lambda device: platform_cls())
-    return LLM(
-        str(stories_dir),
-        compilation_config={
-            "cudagraph_mode": mode,
-            "cudagraph_capture_sizes": [1, 4],
-            "use_inductor": False,
-        },
-        max_model_len=64,
-        max_num_seqs=4,
-    )
+def _start(stories_dir: Path, platform_cls: type[Platform], mode: str) -> LLM:
+    backend = getattr(platform_cls, "test_backend", None)
+    with ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(registered_backend(backend))
+        device = stack.enter_context(
+            registered_platform(platform_cls, f"test-{platform_cls.__name__}")
+        )
+        return LLM(
+            str(stories_dir),
+            device=device,
+            compilation_config={
+                "cudagraph_mode": mode,
+                "cudagraph_capture_sizes": [1, 4],
+                "use_inductor": False,
+            },
+            max_model_len=64,
+            max_num_seqs=4,
+        )
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -152,20 +157,19 @@ def _mode_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 @pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "PIECEWISE"])
 def test_a_platform_without_graphs_runs_every_mode_eager_and_says_so_once(
     stories_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     eager_ids: list[list[int]],
     mode: str,
 ) -> None:
     caplog.set_level(logging.WARNING, logger=MODES_LOGGER)
-    llm = _start(stories_dir, monkeypatch, NoGraphCpuPlatform, mode)
+    llm = _start(stories_dir, NoGraphCpuPlatform, mode)
     runner = llm.llm_engine.runner
-    assert runner.mode is CUDAGraphMode.NONE
-    assert runner.capture_stats.num_graphs == 0
+    assert runner.graph_runner.mode is CUDAGraphMode.NONE
+    assert runner.graph_runner.stats.num_graphs == 0
     warnings = _mode_warnings(caplog)
     assert len(warnings) == 1 and "platform" in warnings[0]
     assert _greedy(llm) == eager_ids
-    assert {mode for _, mode in runner.mode_counts} == {"NONE"}
+    assert {mode for _, mode in runner.graph_runner.mode_counts} == {"NONE"}
 
 
 @pytest.mark.parametrize(
@@ -181,7 +185,6 @@ def test_a_platform_without_graphs_runs_every_mode_eager_and_says_so_once(
 )
 def test_the_backend_support_level_downgrades_the_mode_once_on_an_engine(
     stories_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     eager_ids: list[list[int]],
     level: AttentionCGSupport,
@@ -190,10 +193,10 @@ def test_the_backend_support_level_downgrades_the_mode_once_on_an_engine(
     graphs: int,
 ) -> None:
     caplog.set_level(logging.WARNING, logger=MODES_LOGGER)
-    llm = _start(stories_dir, monkeypatch, _platform_with_support(level), mode)
+    llm = _start(stories_dir, _platform_with_support(level), mode)
     runner = llm.llm_engine.runner
-    assert runner.mode.name == resolved
-    assert runner.capture_stats.num_graphs == graphs
+    assert runner.graph_runner.mode.name == resolved
+    assert runner.graph_runner.stats.num_graphs == graphs
     warnings = _mode_warnings(caplog)
     assert len(warnings) == 1
     assert mode in warnings[0] and resolved in warnings[0]
@@ -210,8 +213,8 @@ def test_enforce_eager_means_mode_none_without_a_downgrade_warning(
         compilation_config={"cudagraph_mode": "FULL"},
         max_model_len=64,
     )
-    assert llm.llm_engine.runner.mode is CUDAGraphMode.NONE
-    assert llm.llm_engine.runner.capture_stats.num_graphs == 0
+    assert llm.llm_engine.runner.graph_runner.mode is CUDAGraphMode.NONE
+    assert llm.llm_engine.runner.graph_runner.stats.num_graphs == 0
     assert _mode_warnings(caplog) == []
 
 
@@ -224,9 +227,9 @@ class PeakReportingCpuPlatform(CpuPlatform):
 
 
 def test_the_graph_pool_reserve_does_not_starve_a_small_model(
-    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+    stories_dir: Path,
 ) -> None:
-    llm = _start(stories_dir, monkeypatch, PeakReportingCpuPlatform, "FULL_DECODE_ONLY")
+    llm = _start(stories_dir, PeakReportingCpuPlatform, "FULL_DECODE_ONLY")
     runner = llm.llm_engine.runner
     assert runner.num_blocks - 1 >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
 

@@ -8,31 +8,14 @@ import math
 import pytest
 import torch
 
-from decodegraph.engine.request import Request
-from decodegraph.sample.metadata import SamplingMetadata
+from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata, SamplingRequest
 from decodegraph.sample.sampler import Sampler, apply_penalties
-from decodegraph.sampling_params import SamplingParams
+from tests.utils.requests import make_request_state
 
 VOCAB = 32
 
 
-def make_request(
-    rid: str = "r",
-    prompt: list[int] | None = None,
-    output: list[int] | None = None,
-    eos: int | None = None,
-    **params: object,
-) -> Request:
-    sp = SamplingParams(**params)  # type: ignore[arg-type]
-    req = Request(rid, list(prompt or [1, 2, 3]), sp, eos_token_id=eos)
-    for t in output or []:
-        req.append_output_token(t)
-    if sp.seed is not None:
-        req.generator = torch.Generator().manual_seed(sp.seed)
-    return req
-
-
-def sample(logits: torch.Tensor, requests: list[Request]):
+def sample(logits: torch.Tensor, requests: list[SamplingRequest]):
     md = SamplingMetadata.from_requests(requests, logits.shape[1], "cpu")
     return Sampler()(logits, md)
 
@@ -40,7 +23,7 @@ def sample(logits: torch.Tensor, requests: list[Request]):
 def test_greedy_is_argmax_and_takes_the_fast_path() -> None:
     torch.manual_seed(0)
     logits = torch.randn(5, VOCAB)
-    reqs = [make_request(str(i), temperature=0.0) for i in range(5)]
+    reqs = [make_request_state(str(i), temperature=0.0) for i in range(5)]
     md = SamplingMetadata.from_requests(reqs, VOCAB, "cpu")
     assert md.is_fast_greedy
     out = Sampler()(logits, md)
@@ -48,28 +31,32 @@ def test_greedy_is_argmax_and_takes_the_fast_path() -> None:
     assert out.logprobs is None
 
 
-def test_metadata_statics_are_reused_for_the_same_batch() -> None:
-    reqs = [make_request(str(i), temperature=0.7, top_k=3) for i in range(3)]
-    a = SamplingMetadata.from_requests(reqs, VOCAB, "cpu")
-    b = SamplingMetadata.from_requests(reqs, VOCAB, "cpu")
+def test_metadata_statics_are_reused_for_the_same_batch_within_one_cache() -> None:
+    reqs = [make_request_state(str(i), temperature=0.7, top_k=3) for i in range(3)]
+    cache = BatchStaticsCache()
+    a = SamplingMetadata.from_requests(reqs, VOCAB, "cpu", cache)
+    b = SamplingMetadata.from_requests(reqs, VOCAB, "cpu", cache)
     assert a.statics is b.statics
-    c = SamplingMetadata.from_requests(reqs[:2], VOCAB, "cpu")
+    c = SamplingMetadata.from_requests(reqs[:2], VOCAB, "cpu", cache)
     assert c.statics is not a.statics
     assert c.statics.temperature is not None and c.statics.temperature.shape == (2,)
+    # Another runner's cache (or none) shares nothing with this one.
+    assert SamplingMetadata.from_requests(reqs, VOCAB, "cpu", BatchStaticsCache()).statics is not a.statics
+    assert SamplingMetadata.from_requests(reqs, VOCAB, "cpu").statics is not a.statics
 
 
 @pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
 def test_filters_that_keep_one_token_equal_greedy(params: dict) -> None:
     torch.manual_seed(1)
     logits = torch.randn(4, VOCAB)
-    reqs = [make_request(str(i), temperature=1.5, **params) for i in range(4)]
+    reqs = [make_request_state(str(i), temperature=1.5, **params) for i in range(4)]
     for _ in range(5):
         assert sample(logits, reqs).sampled_token_ids == logits.argmax(-1).tolist()
 
 
 def test_top_k_only_draws_from_the_k_best() -> None:
     logits = torch.arange(VOCAB, dtype=torch.float32).unsqueeze(0) * 0.01
-    req = make_request(temperature=1.0, top_k=3)
+    req = make_request_state(temperature=1.0, top_k=3)
     drawn = {sample(logits, [req]).sampled_token_ids[0] for _ in range(200)}
     assert drawn == {VOCAB - 1, VOCAB - 2, VOCAB - 3}
 
@@ -78,7 +65,7 @@ def test_top_p_keeps_the_smallest_nucleus() -> None:
     # probs 0.5, 0.3, 0.2 (and ~0 elsewhere): p=0.7 keeps the first two only.
     logits = torch.full((1, VOCAB), -1e9)
     logits[0, :3] = torch.tensor([0.5, 0.3, 0.2]).log()
-    req = make_request(temperature=1.0, top_p=0.7)
+    req = make_request_state(temperature=1.0, top_p=0.7)
     drawn = {sample(logits, [req]).sampled_token_ids[0] for _ in range(300)}
     assert drawn == {0, 1}
 
@@ -88,9 +75,9 @@ def test_seeded_requests_reproduce_and_ignore_batch_composition() -> None:
     steps = [torch.randn(4, VOCAB) for _ in range(6)]
 
     def run(batch_rows: list[int], with_others: bool) -> list[int]:
-        seeded = make_request("s", temperature=1.0, seed=1234)
-        others = [make_request(f"o{i}", temperature=0.8) for i in range(3)]
-        greedy = make_request("g", temperature=0.0)
+        seeded = make_request_state("s", temperature=1.0, seed=1234)
+        others = [make_request_state(f"o{i}", temperature=0.8) for i in range(3)]
+        greedy = make_request_state("g", temperature=0.0)
         tokens = []
         for logits in steps:
             reqs = [others[0], seeded, greedy, others[1]] if with_others else [seeded]
@@ -107,7 +94,7 @@ def test_seeded_requests_reproduce_and_ignore_batch_composition() -> None:
 def test_different_seeds_give_different_samples() -> None:
     logits = torch.zeros(1, VOCAB)
     a = [
-        sample(logits, [make_request(temperature=1.0, seed=s)]).sampled_token_ids[0]
+        sample(logits, [make_request_state(temperature=1.0, seed=s)]).sampled_token_ids[0]
         for s in range(20)
     ]
     assert len(set(a)) > 5
@@ -119,7 +106,7 @@ def test_temperature_sampling_matches_a_two_token_distribution() -> None:
     logits[0, 0], logits[0, 1] = math.log(0.8), math.log(0.2)
     torch.manual_seed(3)
     for temperature, expected in ((1.0, 0.8), (2.0, 2 / 3)):
-        req = make_request(temperature=temperature)
+        req = make_request_state(temperature=temperature)
         batch = logits.expand(4000, VOCAB).contiguous()
         md = SamplingMetadata.from_requests([req] * 4000, VOCAB, "cpu")
         ids = Sampler()(batch, md).sampled_token_ids
@@ -130,7 +117,7 @@ def test_temperature_sampling_matches_a_two_token_distribution() -> None:
 def test_penalties_change_logits_as_specified() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0]])
     # prompt has token 0; output has token 1 twice and token 2 once.
-    req = make_request(
+    req = make_request_state(
         prompt=[0],
         output=[1, 1, 2],
         repetition_penalty=2.0,
@@ -157,8 +144,8 @@ def test_penalties_change_logits_as_specified() -> None:
 
 def test_repetition_penalty_steers_greedy_away_from_repeats() -> None:
     logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]])
-    plain = make_request(temperature=0.0, prompt=[3], output=[0])
-    penalised = make_request(temperature=0.0, prompt=[3], output=[0], repetition_penalty=2.0)
+    plain = make_request_state(temperature=0.0, prompt=[3], output=[0])
+    penalised = make_request_state(temperature=0.0, prompt=[3], output=[0], repetition_penalty=2.0)
     assert sample(torch.cat([logits, logits]), [plain, penalised]).sampled_token_ids == [0, 1]
 
 
@@ -166,8 +153,8 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 2] = 10.0  # EOS is the best token
     logits[0, 7] = 9.0  # then a stop token
-    before = make_request(eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5])
-    reached = make_request(eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5, 5])
+    before = make_request_state(eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5])
+    reached = make_request_state(eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5, 5])
     out = sample(torch.cat([logits, logits]), [before, reached])
     assert out.sampled_token_ids[1] == 2
     assert out.sampled_token_ids[0] not in (2, 7)
@@ -177,9 +164,9 @@ def test_logprobs_match_log_softmax_with_ranks() -> None:
     torch.manual_seed(4)
     logits = torch.randn(3, VOCAB)
     reqs = [
-        make_request("a", temperature=0.0, logprobs=3),
-        make_request("b", temperature=1.0, logprobs=0, top_k=5),
-        make_request("c", temperature=0.0),
+        make_request_state("a", temperature=0.0, logprobs=3),
+        make_request_state("b", temperature=1.0, logprobs=0, top_k=5),
+        make_request_state("c", temperature=0.0),
     ]
     out = sample(logits, reqs)
     assert out.logprobs is not None and out.logprobs[2] is None
@@ -204,8 +191,8 @@ def test_sampler_does_not_modify_the_logits() -> None:
     logits = torch.randn(2, VOCAB)
     before = logits.clone()
     reqs = [
-        make_request("a", temperature=0.9, top_p=0.5, min_p=0.1, output=[1], presence_penalty=1.0),
-        make_request("b", temperature=0.0, min_tokens=3, eos=0, logprobs=2),
+        make_request_state("a", temperature=0.9, top_p=0.5, min_p=0.1, output=[1], presence_penalty=1.0),
+        make_request_state("b", temperature=0.0, min_tokens=3, eos=0, logprobs=2),
     ]
     sample(logits, reqs)
     assert torch.equal(logits, before)

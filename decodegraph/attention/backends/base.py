@@ -1,23 +1,32 @@
-"""Attention backend contract: metadata, graph-params slots, KV caches.
+"""Attention backend contract: graph support level, metadata, graph params, KV caches.
 
 A backend declares how much graph it supports (`cudagraph_support`); it never picks
-the graph mode. Its per-step metadata lives in *slots*: slot 0 is the eager slot,
-rewritten every step; every captured graph gets a slot of its own whose tensor views
-were fixed at capture and whose host values are baked into the graph.
-`update_graph_params(slot, metadata)` refreshes those host values before each replay.
+the graph mode. Its per-step metadata is kept by *params id*: id 0
+(`EAGER_PARAMS_ID`) holds the eager step's, rewritten every step; every captured graph
+gets params of its own, whose tensor views were fixed at capture and whose host values
+are baked into the graph. `update_graph_params(params_id, metadata)` refreshes those
+host values before each replay (docs/design.md §1, "graph params").
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 import torch
 
-from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.forward_context import EAGER_PARAMS_ID
 
-EAGER_SLOT = 0
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of a full graph an attention backend can live inside (more is better)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
 
 
 @dataclass
@@ -37,12 +46,12 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [padded reqs] int32, 0 for padded rows
     block_tables: torch.Tensor  # [padded reqs, max_blocks_per_seq] int32
     slot_mapping: torch.Tensor  # [padded tokens] int64, -1 for padded rows
-    # Host copy of seq_lens (int32, on CPU) that CPU kernels read. A graph slot owns a
-    # private one, so its values are baked until update_graph_params refreshes them.
+    # Host copy of seq_lens (int32, on CPU) that CPU kernels read. A graph's params own
+    # a private one, so its values are baked until update_graph_params refreshes them.
     seq_lens_host: torch.Tensor | None = None
     # num_reqs as a one-element int32 CPU tensor, for operators that read it at run time.
     num_reqs_host: torch.Tensor | None = None
-    # Host copy of query_start_loc (int32, on CPU), a graph slot's own like seq_lens_host.
+    # Host copy of query_start_loc (int32, on CPU), a graph's own like seq_lens_host.
     query_start_loc_host: torch.Tensor | None = None
     # numpy views of the three host tensors, made on first use (update_graph_params).
     _host_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
@@ -68,7 +77,7 @@ class AttentionMetadata:
             )
         return self._host_arrays
 
-    # Host fields, the ones `update_graph_params` copies into a graph's slot.
+    # Host fields, the ones `update_graph_params` copies into a graph's params.
     HOST_FIELDS: ClassVar[tuple[str, ...]] = (
         "num_reqs",
         "num_actual_tokens",
@@ -81,7 +90,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Owns the per-layer KV caches and the metadata slots the attention op reads."""
+    """Owns the per-layer KV caches and the attention metadata the attention op reads."""
 
     name: ClassVar[str] = "base"
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
@@ -105,7 +114,8 @@ class AttentionBackend:
         # One K and one V tensor per layer, shaped by get_kv_cache_shape (separate
         # tensors: writes through views of one big tensor copy it when compiled).
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.slots: list[AttentionMetadata | None] = [None]
+        # params id -> metadata: the eager step's at EAGER_PARAMS_ID, then one per graph.
+        self.params: list[AttentionMetadata | None] = [None]
 
     @staticmethod
     def get_kv_cache_shape(
@@ -115,7 +125,7 @@ class AttentionBackend:
 
         Within a block a head's values of one dimension lie side by side for all its
         positions, so an attention kernel multiplies block_size positions per instruction
-        (QK and PV alike): 2x faster attention on CPU than [blocks, block_size, ...].
+        (QK and PV alike); docs/performance.md compares it with [blocks, block_size, ...].
         """
         return (num_blocks, num_kv_heads, head_size, block_size)
 
@@ -128,26 +138,27 @@ class AttentionBackend:
         self.kv_caches = kv_caches
 
     def set_eager_metadata(self, metadata: AttentionMetadata) -> None:
-        self.slots[EAGER_SLOT] = metadata
+        self.params[EAGER_PARAMS_ID] = metadata
 
-    def new_graph_slot(self, metadata: AttentionMetadata) -> int:
-        """A slot for a graph about to be captured, holding its capture-time metadata."""
+    def new_graph_params(self, metadata: AttentionMetadata) -> int:
+        """Params for a graph about to be captured, holding its capture-time metadata;
+        returns their id, which the capture bakes into the graph."""
         # A graph's own host tensors: their values are baked until the next update.
         metadata.seq_lens_host = metadata.seq_lens_host.clone()
         metadata.num_reqs_host = metadata.num_reqs_host.clone()
         metadata.query_start_loc_host = metadata.query_start_loc_host.clone()
         metadata._host_arrays = None
-        self.slots.append(metadata)
-        return len(self.slots) - 1
+        self.params.append(metadata)
+        return len(self.params) - 1
 
-    def update_graph_params(self, slot: int, metadata: AttentionMetadata) -> None:
+    def update_graph_params(self, params_id: int, metadata: AttentionMetadata) -> None:
         """Refresh the host values a graph baked in with this step's values.
 
-        The tensor views in the slot keep the addresses the graph was captured with;
-        only host values change.
+        The tensor views in the graph's params keep the addresses the graph was
+        captured with; only host values change.
         """
-        target = self.slots[slot]
-        assert target is not None and slot != EAGER_SLOT
+        target = self.params[params_id]
+        assert target is not None and params_id != EAGER_PARAMS_ID
         for name in AttentionMetadata.HOST_FIELDS:
             setattr(target, name, getattr(metadata, name))
         n = metadata.num_reqs
@@ -156,17 +167,17 @@ class AttentionBackend:
         qsl[: n + 1] = src[1][: n + 1]
         num_reqs[0] = src[2][0]
 
-    def graph_tensors(self, slot: int) -> list[torch.Tensor]:
-        """Every tensor a graph of this slot reads or writes besides the model inputs
-        (KV caches, the slot's metadata tensors, workspaces). The graph takes them as
-        inputs, never as constants: a compiler may fold or copy constants (Inductor's
-        freezing does), and these change every step."""
-        md = self.slots[slot]
+    def graph_tensors(self, params_id: int) -> list[torch.Tensor]:
+        """Every tensor a graph with these params reads or writes besides the model
+        inputs (KV caches, the params' metadata tensors, workspaces). The graph takes
+        them as inputs, never as constants: a compiler may fold or copy constants
+        (Inductor's freezing does), and these change every step."""
+        md = self.params[params_id]
         caches = [t for pair in self.kv_caches for t in pair]
         host = [md.seq_lens_host, md.num_reqs_host, md.query_start_loc_host]
         return caches + [md.slot_mapping, md.block_tables, *host]
 
-    def native_op_args(self, layer_idx: int, slot: int) -> tuple | None:
+    def native_op_args(self, layer_idx: int, params_id: int) -> tuple | None:
         """(operator, its arguments after q, k, v) when this step's attention is one
         native operator that the layer may call directly instead of unified_attention
         (a cheaper dispatch, and no Python inside a compiled graph); None otherwise."""
@@ -182,7 +193,10 @@ class AttentionBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        output: torch.Tensor,
         layer_idx: int,
-        slot: int,
-    ) -> torch.Tensor:
+        params_id: int,
+    ) -> None:
+        """Write this step's K/V into layer `layer_idx`'s cache and attend, writing
+        `output` ([num_tokens, num_heads * head_size], padded rows zero) in place."""
         raise NotImplementedError

@@ -4,13 +4,13 @@ Both write this step's K/V into the paged cache, gather each request's context b
 block table into a workspace allocated once (sized for max_model_len), and call
 `scaled_dot_product_attention`.
 
-- `CPUAttentionBackend` reads host values (lengths, request count) from its metadata
-  slot. On CPU the attention runs its own code at every replay, so a graph replays
-  correctly as long as `update_graph_params` refreshed the slot: its cost follows the
+- `CPUAttentionBackend` reads host values (lengths, request count) from its graph
+  params. On CPU the attention runs its own code at every replay, so a graph replays
+  correctly as long as `update_graph_params` refreshed its params: its cost follows the
   batch's real lengths, not max_model_len, and mixed batches work inside a graph
   (support ALWAYS). With float32 and bfloat16 caches every batch is one native operator
   per layer (`decodegraph_cpu::paged_attention`, see decodegraph/native) that reads the
-  slot's host tensors; float16 caches, or a machine where the operators cannot be built,
+  params' host tensors; float16 caches, or a machine where the operators cannot be built,
   take the tensor-op path below.
 - `CUDATorchAttentionBackend`: inside a CUDA graph no Python runs at replay, so the
   captured decode path may only read device tensors: it gathers max_model_len worth of
@@ -24,8 +24,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
-from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.attention.backends.base import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadata,
+)
 from decodegraph.native import load_cpu_ops
 
 
@@ -47,6 +50,7 @@ class CPUAttentionBackend(AttentionBackend):
         self._token_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         ops = load_cpu_ops() if self.use_native_kernel else None
         self._native_op = ops.paged_attention.default if ops is not None else None
+        self._native_out_op = ops.paged_attention_out.default if ops is not None else None
         self._scores: torch.Tensor | None = None
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -77,37 +81,36 @@ class CPUAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        output: torch.Tensor,
         layer_idx: int,
-        slot: int,
-    ) -> torch.Tensor:
-        md = self.slots[slot]
+        params_id: int,
+    ) -> None:
+        md = self.params[params_id]
         n = md.num_actual_tokens
         if n == 0:  # the profiling run: no requests, nothing to attend or write
-            return torch.zeros_like(query)
-        direct = self.native_op_args(layer_idx, slot)
+            output.zero_()
+            return
+        direct = self.native_op_args(layer_idx, params_id)
         if direct is not None:
-            op, args = direct
-            return op(query, key, value, *args)
+            _, args = direct
+            self._native_out_op(query, key, value, *args, output)
+            return
         # Padded rows sit at the tail; writing only the first n rows skips them.
         padded = n < query.shape[0]
         slots = md.slot_mapping[:n] if padded else md.slot_mapping
         self._write(layer_idx, slots, key[:n] if padded else key, value[:n] if padded else value)
+        if padded:
+            output[n:].zero_()
         if md.uniform_decode:
-            out = self._decode(query[:n] if padded else query, layer_idx, md)
-            if not padded:
-                return out
-            full = query.new_zeros(query.shape)
-            full[:n] = out
-            return full
-        full = query.new_zeros(query.shape)
-        self._mixed(query, layer_idx, md, full)
-        return full
+            output[:n] = self._decode(query[:n] if padded else query, layer_idx, md)
+        else:
+            self._mixed(query, layer_idx, md, output)
 
-    def graph_tensors(self, slot: int) -> list[torch.Tensor]:
-        return [*super().graph_tensors(slot), self._scores]
+    def graph_tensors(self, params_id: int) -> list[torch.Tensor]:
+        return [*super().graph_tensors(params_id), self._scores]
 
-    def native_op_args(self, layer_idx: int, slot: int) -> tuple | None:
-        md = self.slots[slot]
+    def native_op_args(self, layer_idx: int, params_id: int) -> tuple | None:
+        md = self.params[params_id]
         if self._native_op is None or md.num_actual_tokens == 0:
             return None
         k_cache, v_cache = self.kv_caches[layer_idx]
@@ -204,12 +207,14 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        output: torch.Tensor,
         layer_idx: int,
-        slot: int,
-    ) -> torch.Tensor:
-        md = self.slots[slot]
+        params_id: int,
+    ) -> None:
+        md = self.params[params_id]
         if not (md.uniform_decode and torch.cuda.is_current_stream_capturing()):
-            return super().forward(query, key, value, layer_idx, slot)
+            super().forward(query, key, value, output, layer_idx, params_id)
+            return
         # Captured decode: nothing here may depend on host values except shapes.
         t, kvh, d, bs = query.shape[0], self.num_kv_heads, self.head_size, self.block_size
         k_blocks, v_blocks = self._token_views[layer_idx]
@@ -224,4 +229,4 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
         beyond = (self._positions >= md.seq_lens[:t, None]) & (self._positions > 0)
         scores.masked_fill_(beyond.view(t, 1, 1, -1), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
-        return out.view(t, self.num_heads * d)
+        output.copy_(out.view(t, self.num_heads * d))

@@ -12,7 +12,7 @@ captured launch is right for any batch of that size: decode, prefill or mixed. H
 A query token finds its request as the number of `query_start_loc[1:]` entries at or
 below its index; tokens past the real ones (padding) find none and output zeros. For
 that, the runner keeps query_start_loc's tail at the real token count over the whole
-span a graph's metadata covers (model_runner._prepare).
+span a graph's metadata covers (worker/model_runner.py).
 
 Under TRITON_INTERPRET=1 both kernels run on CPU tensors (numpy), which is how the test
 suite checks them on machines without a GPU (tests/attention/test_triton_attn.py).
@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from decodegraph.attention.backends.base import AttentionBackend
-from decodegraph.graphs.modes import AttentionCGSupport
+from decodegraph.attention.backends.base import AttentionBackend, AttentionCGSupport
 
 
 @triton.jit
@@ -136,15 +135,17 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        output: torch.Tensor,
         layer_idx: int,
-        slot: int,
-    ) -> torch.Tensor:
-        md = self.slots[slot]
+        params_id: int,
+    ) -> None:
+        md = self.params[params_id]
         if md.num_actual_tokens == 0:  # the profiling run: no requests, no caches yet
-            return torch.zeros_like(query)
+            output.zero_()
+            return
         k_cache, v_cache = self.kv_caches[layer_idx]
         t = query.shape[0]
-        out = torch.empty_like(query)
+        out = output
         kvd = self.num_kv_heads * self.head_size
         _write_kv[(t,)](
             key,
@@ -181,4 +182,3 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=self.block_size,
             REQS_PAD=triton.next_power_of_2(max(num_reqs, 1)),
         )
-        return out

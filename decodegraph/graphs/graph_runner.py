@@ -1,0 +1,272 @@
+"""The graph side of the model runner: sizes, mode, capture, replay (docs/design.md §3-4).
+
+`GraphRunner` resolves the graph mode, decides which keys get captured, captures them
+at start-up (largest first, into the platform's one memory pool, garbage collector
+frozen, then closes capture), and per step dispatches a batch to a runtime mode and
+key, refreshes the graph params of every attention group by name, and replays.
+
+Every graph binds its inputs at capture: views of the persistent buffers, and for a
+full graph every tensor its attention reads. A step writes its values into those
+buffers before the replay; the first replay of each graph checks that the buffers the
+step wrote are the ones it bound (always on: on a device a changed address silently
+corrupts the output).
+
+The platform makes the graphs (`Platform.make_graph` / `make_piece`); nothing here
+depends on which platform that is.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
+from decodegraph.forward_context import (
+    EAGER_PARAMS_ID,
+    BatchDescriptor,
+    ForwardContext,
+    set_forward_context,
+)
+from decodegraph.graphs.dispatcher import CudagraphDispatcher
+from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, resolve_cudagraph_mode
+from decodegraph.graphs.piecewise import PiecewiseGraph
+from decodegraph.platforms.base import DeviceGraph, Platform
+
+if TYPE_CHECKING:
+    from decodegraph.config import EngineConfig
+    from decodegraph.worker.input_buffers import InputBuffers
+
+logger = logging.getLogger(__name__)
+
+GraphKey = tuple[RuntimeMode, BatchDescriptor]
+# Writes a dummy batch for a key into the buffers; returns each attention group's
+# metadata for it (the model runner's InputBatch.make_dummy).
+PrepareDummy = Callable[[RuntimeMode, BatchDescriptor], dict[str, AttentionMetadata]]
+
+
+class CaptureClosedError(RuntimeError):
+    """A graph capture was attempted after start-up."""
+
+
+@dataclass
+class CaptureStats:
+    num_graphs: int = 0  # full graphs count 1, piecewise graphs count their pieces
+    seconds: float = 0.0
+    memory_bytes: int = 0
+    by_mode: dict[str, int] = field(default_factory=dict)
+
+
+class GraphRunner:
+    """Owns every graph of one model runner, keyed by (runtime mode, batch descriptor)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        buffers: InputBuffers,
+        attn_groups: dict[str, AttentionBackend],
+    ) -> None:
+        sc = config.scheduler_config
+        self.config = config
+        self.compilation_config = config.compilation_config
+        self.platform = platform
+        self.buffers = buffers
+        # Attention group name -> its backend; graph params are refreshed by name.
+        self.attn_groups = attn_groups
+        self.max_num_reqs: int = sc.max_num_seqs
+        self.max_num_tokens: int = sc.max_num_batched_tokens
+        self.mode = CUDAGraphMode.NONE
+        self.capture_sizes: list[int] = []
+        self.dispatcher = CudagraphDispatcher(CUDAGraphMode.NONE, [])
+        self.graphs: dict[GraphKey, DeviceGraph] = {}
+        # A full graph's params id (baked into it; the same id in every group).
+        self.graph_params: dict[BatchDescriptor, int] = {}
+        self.closed = False
+        self.stats = CaptureStats()
+        # (step kind, runtime mode) -> steps dispatched; step kind is "decode" or "mixed".
+        self.mode_counts: Counter[tuple[str, str]] = Counter()
+        self._unchecked: set[GraphKey] = set()
+
+    # ---------------------------------------------------------------- start-up
+
+    def resolve(self, piecewise_available: bool = True) -> CUDAGraphMode:
+        """The mode this platform and these attention groups can run (every downgrade
+        logged once, with its reason), and the dispatcher for it."""
+        cc = self.compilation_config
+        requested = CUDAGraphMode.NONE if self.config.enforce_eager else cc.cudagraph_mode
+        self.mode = resolve_cudagraph_mode(
+            requested,
+            [backend.cudagraph_support for backend in self.attn_groups.values()],
+            self.platform.supports_graphs,
+            piecewise_available,
+        )
+        self.capture_sizes = self._capture_sizes()
+        self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes, self.max_num_reqs)
+        return self.mode
+
+    def _capture_sizes(self) -> list[int]:
+        """Token counts to capture: the listed sizes up to max_num_batched_tokens (mixed
+        keys count tokens), or the platform's defaults up to max_num_seqs; decode keys
+        are further limited to max_num_seqs by the dispatcher."""
+        cc = self.compilation_config
+        limit = self.max_num_tokens
+        if not cc.cudagraph_capture_sizes:
+            limit = min(limit, self.max_num_reqs)
+        if cc.max_cudagraph_capture_size:
+            limit = min(limit, cc.max_cudagraph_capture_size)
+        sizes = [
+            s
+            for s in cc.cudagraph_capture_sizes or self.platform.default_capture_sizes
+            if s <= limit
+        ]
+        # A default bucket list must contain its own maximum (a nano-vllm pitfall).
+        if not cc.cudagraph_capture_sizes and cc.max_cudagraph_capture_size and limit not in sizes:
+            sizes.append(limit)
+        return sorted(set(sizes))
+
+    def capture_all(self, model: torch.nn.Module, prepare_dummy: PrepareDummy) -> CaptureStats:
+        """Capture every key the dispatcher can ask for (largest first, so later graphs
+        reuse the pool's memory), then close capture."""
+        if self.closed:
+            raise CaptureClosedError("graphs are captured once, at start-up")
+        keys = self.dispatcher.all_keys()
+        pool = self.platform.graph_pool() if keys else None
+        memory_before = self.platform.memory_allocated()
+        start = time.perf_counter()
+        gc.collect()
+        gc.freeze()  # a collection during capture makes it slow (vLLM #21146)
+        try:
+            for mode, key in tqdm(keys, desc="Capturing graphs", disable=not keys, leave=False):
+                self.capture(mode, key, model, prepare_dummy, pool)
+        finally:
+            gc.unfreeze()
+        self.closed = True
+        self.stats.seconds = time.perf_counter() - start
+        self.stats.memory_bytes = max(0, self.platform.memory_allocated() - memory_before)
+        if keys:
+            logger.info(
+                "Captured %d graphs (%s) in %.1f s, %.1f MiB",
+                self.stats.num_graphs,
+                ", ".join(f"{m}: {n}" for m, n in self.stats.by_mode.items()),
+                self.stats.seconds,
+                self.stats.memory_bytes / 2**20,
+            )
+        return self.stats
+
+    @torch.inference_mode()
+    def capture(
+        self,
+        mode: RuntimeMode,
+        key: BatchDescriptor,
+        model: torch.nn.Module,
+        prepare_dummy: PrepareDummy,
+        pool: object | None = None,
+    ) -> None:
+        """Capture the graph for (mode, key) over a dummy batch of its shape."""
+        if self.closed:
+            raise CaptureClosedError(
+                f"capture of {mode.name} {key} after start-up: graphs are captured only once"
+            )
+        if mode is RuntimeMode.NONE:
+            raise ValueError(f"no graph to capture for runtime mode {mode.name}")
+        metadata = prepare_dummy(mode, key)
+        name = f"{mode.name}{tuple(key)}"
+        fn = self._forward_fn(model, logits=mode is RuntimeMode.FULL and key.uniform)
+        (group, backend), = self.attn_groups.items()
+        if mode is RuntimeMode.FULL:
+            params_id = self.graph_params[key] = backend.new_graph_params(metadata[group])
+            context = ForwardContext(backend, params_id)
+            with set_forward_context(context):
+                graph = self.platform.make_graph(
+                    name, fn, self.graph_inputs(mode, key), self.compilation_config, pool
+                )
+            count = 1
+        else:
+            backend.set_eager_metadata(metadata[group])
+            context = ForwardContext(backend, EAGER_PARAMS_ID, split_attention=True)
+            with set_forward_context(context):
+                graph = PiecewiseGraph(
+                    name,
+                    fn,
+                    self.graph_inputs(mode, key),
+                    self.platform,
+                    self.compilation_config,
+                    pool,
+                )
+            count = graph.num_pieces
+        self.graphs[(mode, key)] = graph
+        self._unchecked.add((mode, key))
+        self.stats.num_graphs += count
+        self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
+
+    @staticmethod
+    def _forward_fn(model: torch.nn.Module, logits: bool) -> Callable[..., Any]:
+        """The one forward every graph captures: hidden states, or for a uniform decode
+        graph logits and greedy ids too (inside the graph the argmax is fused with the
+        LM head; the sampler still gets the logits for everything else)."""
+        if not logits:
+            return lambda input_ids, positions, *_: model(input_ids, positions)
+
+        def forward_with_logits(
+            input_ids: torch.Tensor, positions: torch.Tensor, *_: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            out = model.compute_logits(model(input_ids, positions))
+            return out, out.argmax(dim=-1)
+
+        return forward_with_logits
+
+    def graph_inputs(self, mode: RuntimeMode, key: BatchDescriptor) -> list[torch.Tensor]:
+        """What a graph binds: views of the persistent buffers (the model reads the first
+        two; the rest are bound so that their addresses are checked too) and, for a full
+        graph, every tensor its attention reads (AttentionBackend.graph_tensors)."""
+        b, n = self.buffers, key.num_tokens
+        inputs = [
+            b.input_ids.gpu[:n],
+            b.positions.gpu[:n],
+            b.slot_mapping.gpu[:n],
+            b.seq_lens.gpu,
+            b.block_tables.gpu,
+            b.query_start_loc.gpu,
+        ]
+        if mode is RuntimeMode.FULL:
+            params_id = self.graph_params[key]
+            for backend in self.attn_groups.values():
+                inputs += backend.graph_tensors(params_id)
+        return inputs
+
+    # ---------------------------------------------------------------- per step
+
+    def dispatch(
+        self, num_tokens: int, num_reqs: int, uniform: bool
+    ) -> tuple[RuntimeMode, BatchDescriptor]:
+        """The runtime mode and padded key for a batch, counted per kind of step."""
+        mode, key = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
+        self.mode_counts[("decode" if uniform else "mixed", mode.name)] += 1
+        return mode, key
+
+    def replay(
+        self, mode: RuntimeMode, key: BatchDescriptor, metadata: dict[str, AttentionMetadata]
+    ) -> Any:
+        """Replay the graph for (mode, key) over what the step wrote into the buffers,
+        with this step's attention metadata per group. Returns the graph's outputs:
+        (logits, greedy ids) for a uniform full graph, hidden states otherwise."""
+        graph = self.graphs[(mode, key)]
+        if self._unchecked and (mode, key) in self._unchecked:
+            graph.check_inputs(self.graph_inputs(mode, key))
+            self._unchecked.discard((mode, key))
+        if mode is RuntimeMode.FULL:
+            params_id = self.graph_params[key]
+            for group, backend in self.attn_groups.items():
+                backend.update_graph_params(params_id, metadata[group])
+        else:
+            for group, backend in self.attn_groups.items():
+                backend.set_eager_metadata(metadata[group])
+        return graph.replay()

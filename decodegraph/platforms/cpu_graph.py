@@ -1,0 +1,147 @@
+"""CPU graphs: a traced op graph (make_fx), optionally compiled by Inductor.
+
+A CPU graph is replayed without re-running the model's Python and bakes host values
+exactly like a device graph, so the CPU tests catch the same class of bug (docs/design.md
+§6). Weights and other tensors the traced code reads stay the model's own tensors: they
+become trailing inputs of the compiled function, never copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from decodegraph import native
+from decodegraph.platforms.base import DeviceGraph, GraphFn
+
+logger = logging.getLogger(__name__)
+
+
+def trace(
+    fn: GraphFn, inputs: Sequence[torch.Tensor], decompositions: dict | None = None
+) -> torch.fx.GraphModule:
+    """Trace `fn` into an op graph; tensors it reads but is not given become constants."""
+    with torch.no_grad():
+        return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
+
+
+def compile_with_inductor(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    options: dict[str, object] | None = None,
+) -> Callable[..., object]:
+    """Compile a traced graph with Inductor (no dynamo front end involved) into a
+    callable of the same inputs, returning what the graph returns.
+
+    The tensors the graph reads as attributes (weights, rotary tables) become trailing
+    inputs, so that Inductor's own compiled function can be called with one flat list,
+    without AOTAutograd's runtime wrappers around it: they handle parameters, input
+    mutations and outputs aliasing inputs, none of which an inference graph has (its KV
+    writes are inside opaque ops), and cost a noticeable share of a small replay
+    (docs/performance.md). Where that function
+    cannot be taken (AOTAutograd merged or dropped inputs), or does not reproduce the
+    wrapped one at capture, the wrapped one is used. `gm` is changed in place: its tensor
+    attributes become placeholders.
+    """
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch.utils import _pytree as pytree
+
+    # make_fx leaves fake values made under separate fake modes; Inductor wants one.
+    for node in gm.graph.nodes:
+        node.meta.pop("val", None)
+        node.meta.pop("tensor_meta", None)
+    constants = _lift_tensor_attributes(gm)
+    args = [*inputs, *constants]
+    inner: list[Callable[[list], list]] = []
+
+    def capture_inner(graph: torch.fx.GraphModule, example_inputs: list, **kw: object) -> object:
+        compiled = compile_fx_inner(graph, example_inputs, **kw)
+        # Usable only if it takes exactly our flat inputs (nothing lifted or dropped).
+        if len(example_inputs) == len(args):
+            inner.append(compiled)
+        return compiled
+
+    with torch.no_grad(), inductor_config.patch(options or {}):
+        wrapped = compile_fx(gm, args, inner_compile=capture_inner)
+    with torch.no_grad():
+        expected, spec = pytree.tree_flatten(wrapped(*args))
+        if len(inner) == 1:
+            got = inner[0](list(args))
+            if len(got) == len(expected) and all(
+                isinstance(a, torch.Tensor) and torch.equal(a, b)
+                for a, b in zip(got, expected, strict=True)
+            ):
+                # After its first call, the compiled graph's own callable (the wrapper
+                # around it only records metrics and closes compile-time caches).
+                fast = getattr(inner[0], "current_callable", None) or inner[0]
+                logger.debug("graph of %d inputs: calling Inductor's function directly", len(args))
+                return lambda *xs: pytree.tree_unflatten(fast([*xs, *constants]), spec)
+    logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
+    return lambda *xs: wrapped(*xs, *constants)
+
+
+def _lift_tensor_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """Turn every tensor attribute the graph reads into a trailing placeholder (one per
+    attribute, however often it is read); returns the tensors in placeholder order."""
+    tensors: list[torch.Tensor] = []
+    lifted: dict[str, torch.fx.Node] = {}
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    last = placeholders[-1] if placeholders else None
+    for node in nodes:
+        if node.op != "get_attr":
+            continue
+        target = node.target
+        if target not in lifted:
+            owner, _, name = target.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            value = getattr(module, name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            anchor = gm.graph.inserting_after(last) if last else gm.graph.inserting_before(nodes[0])
+            with anchor:
+                last = lifted[target] = gm.graph.placeholder(f"lifted_{len(tensors)}")
+            tensors.append(value)
+            delattr(module, name)  # else AOTAutograd would lift it again, as a parameter
+        node.replace_all_uses_with(lifted[target])
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return tensors
+
+
+class CpuGraph(DeviceGraph):
+    """A traced op graph replayed without running the model's Python.
+
+    Like a device graph it binds its inputs and bakes host values (ints, the attention
+    params id) at trace time; only the attention op's own code runs at replay.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        use_inductor: bool,
+        inductor_options: dict[str, object] | None = None,
+    ) -> None:
+        super().__init__(name, inputs)
+        self.graph_module = trace(fn, inputs, native.decompositions())
+        output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+        # A compiled graph returns a list even for one tensor; give back what fn returns.
+        self._single_output = not isinstance(output.args[0], (tuple, list))
+        if use_inductor:
+            self._callable = compile_with_inductor(self.graph_module, inputs, inductor_options)
+        else:
+            self._callable = self.graph_module
+        # One run now, so a failure shows at start-up and compiled code is warm.
+        self._run()
+
+    def _run(self) -> Any:
+        out = self._callable(*self.inputs)
+        return out[0] if self._single_output and isinstance(out, (list, tuple)) else out

@@ -1,0 +1,254 @@
+"""The graph runner on a real engine (stories260K): capture with dummy lengths, largest
+first into one pool, capture closed after start-up, replay over the persistent buffers
+(a step that does not refresh one gives wrong ids), graph params refreshed before each
+replay, padded rows writing no KV, addresses checked on first replay."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from decodegraph.entrypoints.llm import LLM
+from decodegraph.forward_context import EAGER_PARAMS_ID, BatchDescriptor
+from decodegraph.graphs.graph_runner import CaptureClosedError, GraphRunner
+from decodegraph.graphs.modes import RuntimeMode
+from decodegraph.platforms.base import InputAddressError
+from decodegraph.worker.input_buffers import PersistentBuffer
+from tests.utils.kv import changed_slots
+from tests.utils.platforms import StaticGraphPlatform, registered_platform
+from tests.utils.requests import greedy
+
+GREEDY = greedy(24)
+PROMPTS = [[1, 50, 60], [1, 70, 80, 90, 100], [1, 33]]
+
+
+def _llm(stories_dir: Path, mode: str, sizes: list[int], **kwargs: object) -> LLM:
+    return LLM(
+        str(stories_dir),
+        compilation_config={
+            "cudagraph_mode": mode,
+            "cudagraph_capture_sizes": sizes,
+            "use_inductor": False,
+        },
+        max_model_len=128,
+        max_num_seqs=8,
+        **kwargs,
+    )
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def eager_llm(stories_dir: Path) -> LLM:
+    return LLM(str(stories_dir), enforce_eager=True, max_model_len=128, max_num_seqs=8)
+
+
+# ---------------------------------------------------------------- capture
+
+
+def test_capture_uses_dummy_lengths_of_one(stories_dir: Path) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4])
+    runner = llm.llm_engine.runner
+    graph_params = [md for md in runner.attn_backend.params[EAGER_PARAMS_ID + 1 :]]
+    assert len(graph_params) == runner.graph_runner.stats.num_graphs == 3
+    for md in graph_params:
+        assert md.max_seq_len == 1
+        assert md.seq_lens_cpu == [1] * md.num_reqs
+        assert md.seq_lens_host[: md.num_reqs].tolist() == [1] * md.num_reqs
+
+
+def test_capture_runs_largest_first_into_the_platforms_one_pool(stories_dir: Path) -> None:
+    with registered_platform(StaticGraphPlatform) as device:
+        llm = _llm(stories_dir, "FULL_AND_PIECEWISE", [1, 2, 4], device=device)
+    platform = llm.llm_engine.platform
+    sizes = [int(name.split("(")[1].split(",")[0]) for name, _ in platform.captures]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 4
+    assert {pool for _, pool in platform.captures} == {platform.graph_pool()}
+
+
+def test_capture_freezes_the_garbage_collector_during_capture_only(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    frozen: list[int] = []
+    capture = GraphRunner.capture
+
+    def spy(self, *args: object, **kwargs: object) -> None:  # noqa: ANN001
+        frozen.append(gc.get_freeze_count())
+        capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphRunner, "capture", spy)
+    before = gc.get_freeze_count()
+    _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
+    assert len(frozen) == 2 and all(count > 0 for count in frozen)
+    assert gc.get_freeze_count() == before
+
+
+def test_a_late_capture_raises(stories_dir: Path) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
+    runner = llm.llm_engine.runner
+    graph_runner = runner.graph_runner
+    assert graph_runner.closed and graph_runner.stats.seconds > 0
+    with pytest.raises(CaptureClosedError):
+        graph_runner.capture(
+            RuntimeMode.FULL, BatchDescriptor(1, 1, True), runner.model, runner._prepare_dummy
+        )
+    with pytest.raises(CaptureClosedError):
+        runner.capture_graphs()
+
+
+def test_there_is_no_graph_to_capture_for_mode_none(stories_dir: Path) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1])
+    runner = llm.llm_engine.runner
+    runner.graph_runner.closed = False
+    with pytest.raises(ValueError, match="NONE"):
+        runner.graph_runner.capture(
+            RuntimeMode.NONE, BatchDescriptor(1, 1, True), runner.model, runner._prepare_dummy
+        )
+
+
+# ---------------------------------------------------------------- replay
+
+
+def test_replay_runs_none_of_the_model_python(stories_dir: Path, eager_llm: LLM) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4])
+    calls: list[int] = []
+    llm.llm_engine.runner.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    assert _greedy(llm, PROMPTS) == _greedy(eager_llm, PROMPTS)
+    counts = llm.llm_engine.runner.graph_runner.mode_counts
+    assert counts[("decode", "FULL")] == GREEDY.max_tokens - 1
+    assert len(calls) == sum(n for (_, mode), n in counts.items() if mode == "NONE")
+
+
+@pytest.mark.parametrize("buffer", ["input_ids", "positions", "slot_mapping"])
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "PIECEWISE"])
+def test_a_step_that_does_not_refresh_a_static_buffer_gives_wrong_ids(
+    stories_dir: Path,
+    eager_llm: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+    buffer: str,
+    mode: str,
+) -> None:
+    """Replay takes no inputs: a CPU graph reads what the step wrote into the buffers it
+    bound at capture, exactly as a device graph does. A step that leaves one of them
+    with the previous step's values (here: every decode step after the first) replays
+    over stale inputs."""
+    llm = _llm(stories_dir, mode, [1, 2, 4])
+    runner = llm.llm_engine.runner
+    prepare = runner._prepare_inputs
+    stale = getattr(runner.buffers, buffer).np
+    previous: list[np.ndarray] = []
+
+    def forgetful(so, states):  # noqa: ANN001, ANN202
+        batch = prepare(so, states)
+        n = batch.num_tokens
+        if batch.runtime_mode is not RuntimeMode.NONE and batch.uniform_decode:
+            if previous and len(previous[0]) == n:
+                stale[:n] = previous[0]  # as if this step had not written it
+            previous[:] = [stale[:n].copy()]
+        return batch
+
+    monkeypatch.setattr(runner, "_prepare_inputs", forgetful)
+    prompts = PROMPTS[:1]
+    assert _greedy(llm, prompts) != _greedy(eager_llm, prompts)
+    assert runner.graph_runner.mode_counts[("decode", mode.split("_")[0])] > 0
+
+
+def test_skipping_update_graph_params_gives_wrong_output(
+    stories_dir: Path, eager_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Proof that the mechanism matters: graphs replay with their capture-time lengths."""
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4])
+    backend = llm.llm_engine.runner.attn_backend
+    monkeypatch.setattr(backend, "update_graph_params", lambda params_id, metadata: None)
+    prompts = PROMPTS[:1]
+    assert _greedy(llm, prompts) != _greedy(eager_llm, prompts)
+    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] > 0
+
+
+def test_graph_params_are_refreshed_by_group_name(
+    stories_dir: Path, eager_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4])
+    graph_runner = llm.llm_engine.runner.graph_runner
+    (group, backend), = graph_runner.attn_groups.items()
+    seen: list[tuple[int, int]] = []
+    update = backend.update_graph_params
+    monkeypatch.setattr(
+        backend,
+        "update_graph_params",
+        lambda params_id, md: seen.append((params_id, md.num_reqs)) or update(params_id, md),
+    )
+    assert _greedy(llm, PROMPTS) == _greedy(eager_llm, PROMPTS)
+    # One refresh per full replay, each with the params id its graph was captured with.
+    assert len(seen) == graph_runner.mode_counts[("decode", "FULL")]
+    for params_id, num_reqs in seen:
+        padded = graph_runner.dispatcher.dispatch(BatchDescriptor(num_reqs, num_reqs, True))[1]
+        assert params_id == graph_runner.graph_params[padded]
+
+
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_padded_rows_write_no_kv(stories_dir: Path, mode: str) -> None:
+    llm = _llm(stories_dir, mode, [1, 2, 4, 8])
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    counts = runner.graph_runner.mode_counts
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.step()  # the prefill: 10 tokens, above the largest size, runs eager
+    before = [t.clone() for pair in runner.attn_backend.kv_caches for t in pair]
+    counts_before = dict(counts)
+    engine.step()  # decode of 3, padded to 4
+    ran = {k: v - counts_before.get(k, 0) for k, v in counts.items() if v != counts_before.get(k)}
+    assert sum(ran.values()) == 1 and next(iter(ran))[1] != "NONE", ran
+    written = sorted(runner.buffers.slot_mapping.np[:3].tolist())
+    assert runner.buffers.slot_mapping.np[3] == -1  # the padded row
+    after = [t for pair in runner.attn_backend.kv_caches for t in pair]
+    for old, new in zip(before, after, strict=True):
+        slots = changed_slots(old, new)
+        # The reserved null block 0 aside, exactly the three real rows' slots changed.
+        assert [s for s in slots if s >= runner.block_size] == written
+
+
+def _tensor_addresses(obj: object) -> dict[str, int]:
+    return {k: v.data_ptr() for k, v in vars(obj).items() if isinstance(v, torch.Tensor)}
+
+
+def test_workspaces_and_kv_caches_keep_their_addresses_through_replays(
+    stories_dir: Path,
+) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4, 8])
+    backend = llm.llm_engine.runner.attn_backend
+    workspaces = _tensor_addresses(backend)
+    assert workspaces, "no workspace allocated before capture"
+    caches = [t.data_ptr() for pair in backend.kv_caches for t in pair]
+    # Eight requests decoding up to max_model_len: the largest workspace use.
+    params = greedy(100)
+    llm.generate([[1, 20 + i] * 10 for i in range(8)], params, use_tqdm=False)
+    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] > 0
+    assert _tensor_addresses(backend) == workspaces
+    assert [t.data_ptr() for pair in backend.kv_caches for t in pair] == caches
+
+
+def test_a_graph_checked_against_other_tensors_raises(stories_dir: Path) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
+    graph_runner = llm.llm_engine.runner.graph_runner
+    (mode, key), graph = next(iter(graph_runner.graphs.items()))
+    inputs = graph_runner.graph_inputs(mode, key)
+    graph.check_inputs(inputs)
+    with pytest.raises(InputAddressError):
+        graph.check_inputs([t.clone() for t in inputs])
+
+
+def test_a_reallocated_persistent_buffer_is_caught_on_first_replay(stories_dir: Path) -> None:
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
+    buffers = llm.llm_engine.runner.buffers
+    buffers.input_ids = PersistentBuffer(
+        (buffers.max_num_tokens,), torch.int64, torch.device("cpu"), 0
+    )
+    with pytest.raises(InputAddressError):
+        _greedy(llm, PROMPTS[:1])

@@ -1,0 +1,105 @@
+"""CPU graphs: traced op graphs bound to their inputs, replayed without the Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decodegraph.platforms.base import InputAddressError
+from decodegraph.platforms.cpu_graph import CpuGraph
+
+
+def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w) + 1
+
+
+def test_a_replay_reads_the_bound_inputs_new_values() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [x, w], use_inductor=False)
+    x.copy_(torch.randn(4, 8))  # in place: same address, new values
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+    assert graph.num_replays == 1
+
+
+def test_a_replay_does_not_see_a_tensor_that_replaced_an_input() -> None:
+    """Device-graph semantics: new values must be written into the bound tensor."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [x, w], use_inductor=False)
+    before = graph.replay().clone()
+    x = torch.randn(4, 8)  # a new tensor: the graph still reads the old one
+    torch.testing.assert_close(graph.replay(), before)
+
+
+def test_replay_runs_none_of_the_python_and_keeps_baked_host_values() -> None:
+    calls, scale = [], [2.0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x * scale[0]  # a host value, baked at capture like a device graph does
+
+    x = torch.ones(3)
+    graph = CpuGraph("g", fn, [x], use_inductor=False)
+    traced_calls = len(calls)
+    scale[0] = 5.0
+    out = graph.replay()
+    assert len(calls) == traced_calls, "replay ran the captured function's Python"
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+
+
+def test_check_inputs_names_an_input_at_another_address() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph = CpuGraph("decode(4)", _affine, [x, w], use_inductor=False)
+    graph.check_inputs([x, w])
+    with pytest.raises(InputAddressError, match=r"decode\(4\).*\[1\]"):
+        graph.check_inputs([x, w.clone()])
+
+
+def test_check_inputs_catches_a_view_of_another_shape_at_the_same_address() -> None:
+    buf, w = torch.randn(8, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [buf[:4], w], use_inductor=False)
+    with pytest.raises(InputAddressError, match=r"inputs \[0\] do not have their capture"):
+        graph.check_inputs([buf[:6], w])
+
+
+def test_check_inputs_catches_a_view_at_another_offset() -> None:
+    buf, w = torch.randn(16, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [buf[:4], w], use_inductor=False)
+    with pytest.raises(InputAddressError):
+        graph.check_inputs([buf[4:8], w])
+    with pytest.raises(InputAddressError, match="3 inputs given, 2 captured"):
+        graph.check_inputs([buf[:4], w, w])
+
+
+class _Tied(torch.nn.Module):
+    """One weight read twice (like tied embeddings) beside a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.register_buffer("b", torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.w + self.b) @ self.w.t()
+
+
+def test_an_inductor_graph_reads_the_weights_themselves_and_is_called_directly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, x = _Tied(), torch.randn(4, 8)
+    with caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
+        graph = CpuGraph("g", model, [x], use_inductor=True)
+    assert "calling Inductor's function directly" in caplog.text
+    x.copy_(torch.randn(4, 8))
+    torch.testing.assert_close(graph.replay(), model(x))
+    model.w.mul_(2)  # a weight changed in place is read at replay, not baked in
+    torch.testing.assert_close(graph.replay(), model(x))
+
+
+def test_an_inductor_argmax_picks_the_first_maximum_like_the_sampler() -> None:
+    """Full decode graphs return argmax ids that stand in for the sampler's greedy()."""
+    from decodegraph.sample.sampler import greedy
+
+    logits = torch.randint(0, 4, (6, 40)).float()  # many tied maxima per row
+    graph = CpuGraph("g", lambda x: (x * 1, x.argmax(dim=-1)), [logits], use_inductor=True)
+    _, ids = graph.replay()
+    assert torch.equal(ids, greedy(logits))
