@@ -1,70 +1,21 @@
-"""What one step feeds the model (`InputBatch`), and the runner's own state per request.
+"""What one step feeds the model (`InputBatch`), and how a step writes it.
 
-The runner never holds the engine's `Request` objects: it learns each request once from
-the scheduler (`NewRequestData`) and keeps a `CachedRequestState`, which it advances
-with the scheduler's per-step deltas and the tokens it samples itself.
+`InputBatch.prepare` writes a scheduled batch into the persistent buffers and returns
+the host values that go with them; `InputBatch.make_dummy` does the same for the capture
+and profiling batches. Both follow the padding convention of docs/design.md §5.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from decodegraph.core.sched_output import NewRequestData
+from decodegraph.attention.backends.base import AttentionMetadata
 from decodegraph.forward_context import BatchDescriptor
 from decodegraph.graphs.modes import RuntimeMode
-from decodegraph.sampling_params import SamplingParams
 from decodegraph.worker.input_buffers import InputBuffers
-
-
-@dataclass(eq=False, slots=True)
-class CachedRequestState:
-    """One request as the runner knows it (vLLM's name)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    # Per-request RNG for `seed`; None uses torch's global generator.
-    generator: torch.Generator | None
-    # Its block table: the KV-cache blocks of its tokens, in order.
-    block_ids: list[int]
-    # Tokens in the KV cache before the step being prepared.
-    num_computed_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    # Prompt then outputs.
-    all_token_ids: list[int] = field(default_factory=list)
-
-    @classmethod
-    def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
-        generator = None
-        if new.sampling_params.seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(new.sampling_params.seed)
-        return cls(
-            req_id=new.req_id,
-            prompt_token_ids=new.prompt_token_ids,
-            sampling_params=new.sampling_params,
-            eos_token_id=new.eos_token_id,
-            generator=generator,
-            block_ids=list(new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
-            all_token_ids=list(new.prompt_token_ids),
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+from decodegraph.worker.request_state import CachedRequestState
 
 
 @dataclass(slots=True)
@@ -148,4 +99,106 @@ class InputBatch:
             sample_rows=list(range(num_reqs)),
             runtime_mode=runtime_mode,
             batch_descriptor=key,
+        )
+
+    @classmethod
+    def prepare(
+        cls,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        num_scheduled_tokens: list[int],
+        runtime_mode: RuntimeMode,
+        key: BatchDescriptor,
+        buffers: InputBuffers,
+    ) -> InputBatch:
+        """Write a scheduled batch into `buffers` (host side first, then one copy to the
+        device), padded as the dispatcher's `runtime_mode` and `key` say. Request `i`
+        computes `num_scheduled_tokens[i]` tokens from its `num_computed_tokens` on."""
+        b, bs = buffers, buffers.block_size
+        counts = num_scheduled_tokens
+        num_reqs, num_tokens = len(states), sum(counts)
+        uniform = num_tokens == num_reqs
+        padded_tokens = key.num_tokens
+        if key.uniform:
+            padded_reqs = key.num_reqs
+        elif runtime_mode is RuntimeMode.FULL:
+            # A mixed graph's metadata spans every request row (captured so): rows past
+            # this batch must read as empty to kernels that search them on the device.
+            padded_reqs = b.max_num_reqs
+        else:
+            padded_reqs = num_reqs
+        ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
+        seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
+        seq_lens_cpu: list[int] = []
+        sample_rows: list[int] = []
+        start = 0
+        for i, (state, n) in enumerate(zip(states, counts, strict=True)):
+            first = state.num_computed_tokens
+            end = first + n
+            block_ids = state.block_ids
+            tokens = state.all_token_ids
+            if n == 1:
+                ids[start] = tokens[first]
+                pos[start] = first
+                slots[start] = block_ids[first // bs] * bs + first % bs
+            else:
+                p = np.arange(first, end)
+                ids[start : start + n] = tokens[first:end]
+                pos[start : start + n] = p
+                slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
+            seq_lens[i] = end
+            seq_lens_cpu.append(end)
+            b.write_block_row(i, state.req_id, block_ids)
+            start += n
+            qsl[i + 1] = start
+            logits_idx[i] = start - 1
+            if end == len(tokens):
+                sample_rows.append(i)
+        # Padding (docs/design.md §5) and stale tails.
+        if padded_tokens > num_tokens:
+            ids[num_tokens:padded_tokens] = 0
+            pos[num_tokens:padded_tokens] = 0
+            slots[num_tokens:padded_tokens] = -1
+        if padded_reqs > num_reqs:
+            seq_lens[num_reqs:padded_reqs] = 0
+            qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
+            b.clear_block_rows(num_reqs, padded_reqs)
+        b.copy_to_device(padded_tokens, padded_reqs)
+        b.num_reqs_np[0] = num_reqs
+        return cls(
+            req_ids=req_ids,
+            num_reqs=num_reqs,
+            num_tokens=num_tokens,
+            num_reqs_after_padding=padded_reqs,
+            num_tokens_after_padding=padded_tokens,
+            max_query_len=max(counts),
+            max_seq_len=max(seq_lens_cpu),
+            uniform_decode=uniform,
+            query_start_loc_cpu=(
+                [0, 1] if num_reqs == 1 and num_tokens == 1 else qsl[: num_reqs + 1].tolist()
+            ),
+            seq_lens_cpu=seq_lens_cpu,
+            sample_rows=sample_rows,
+            runtime_mode=runtime_mode,
+            batch_descriptor=key,
+        )
+
+    def attention_metadata(self, buffers: InputBuffers) -> AttentionMetadata:
+        """This batch's attention metadata over views of `buffers`."""
+        views = buffers.attention_views(self.num_reqs_after_padding, self.num_tokens_after_padding)
+        return AttentionMetadata(
+            num_reqs=self.num_reqs,
+            num_actual_tokens=self.num_tokens,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            uniform_decode=self.uniform_decode,
+            query_start_loc_cpu=self.query_start_loc_cpu,
+            seq_lens_cpu=self.seq_lens_cpu,
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            seq_lens_host=views.seq_lens_host,
+            num_reqs_host=views.num_reqs_host,
+            query_start_loc_host=views.query_start_loc_host,
         )

@@ -46,10 +46,17 @@ class InputBuffers:
     """Every per-step model and attention input."""
 
     def __init__(
-        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, device: torch.device
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
+        # Tokens per KV-cache block (slot = block * block_size + offset).
+        self.block_size = block_size
         # Padding convention (docs/design.md §5): token 0, position 0, slot -1, length 0,
         # block 0 (block 0 is the reserved null block).
         self.input_ids = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -22,7 +21,12 @@ from decodegraph.attention.backends.base import AttentionBackend, AttentionMetad
 from decodegraph.attention.selector import get_attn_backend
 from decodegraph.config import EngineConfig
 from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from decodegraph.forward_context import EAGER_PARAMS_ID, ForwardContext, set_forward_context
+from decodegraph.forward_context import (
+    EAGER_PARAMS_ID,
+    BatchDescriptor,
+    ForwardContext,
+    set_forward_context,
+)
 from decodegraph.graphs.graph_runner import CaptureStats, GraphRunner
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
 from decodegraph.models.llama import get_head_dim
@@ -30,8 +34,9 @@ from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
 from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
 from decodegraph.sample.sampler import Sampler, SamplerOutput
-from decodegraph.worker.input_batch import CachedRequestState, InputBatch
+from decodegraph.worker.input_batch import InputBatch
 from decodegraph.worker.input_buffers import InputBuffers
+from decodegraph.worker.request_state import CachedRequestState, RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,7 @@ class ModelRunner:
             self.max_num_tokens,
             self.max_num_reqs,
             self.attn_backend.max_blocks_per_seq,
+            self.block_size,
             self.device,
         )
         self.graph_runner = GraphRunner(
@@ -83,8 +89,8 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._sampling_statics = BatchStaticsCache()
-        # Request id -> what the runner knows of it (from the scheduler's data only).
-        self.requests: dict[str, CachedRequestState] = {}
+        # What the runner knows of each request (from the scheduler's data only).
+        self.requests = RequestStates(self.device)
         self.model: torch.nn.Module | None = None
         self.num_blocks = 0
         self.profile_peak_bytes = 0
@@ -114,7 +120,7 @@ class ModelRunner:
         self.platform.reset_peak_memory()
         before = self.platform.memory_allocated()
         batch = InputBatch.make_dummy(0, n, False, self.buffers)
-        self.attn_backend.set_eager_metadata(self._attention_metadata(batch))
+        self.attn_backend.set_eager_metadata(batch.attention_metadata(self.buffers))
         with set_forward_context(self._eager_context):
             hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
             self.model.compute_logits(hidden[: self.max_num_reqs])
@@ -142,137 +148,33 @@ class ModelRunner:
         """Capture every graph the dispatcher can ask for; then close capture."""
         return self.graph_runner.capture_all(self.model, self._prepare_dummy)
 
-    def _prepare_dummy(self, mode: RuntimeMode, key: object) -> dict[str, AttentionMetadata]:
+    def _prepare_dummy(
+        self, mode: RuntimeMode, key: BatchDescriptor
+    ) -> dict[str, AttentionMetadata]:
         """A capture batch for `key` in the buffers: a uniform key's rows are one-token
         dummy requests; a mixed key's one dummy request leaves its other rows as padding."""
         num_reqs = key.num_tokens if key.uniform else 1
         batch = InputBatch.make_dummy(num_reqs, key.num_tokens, key.uniform, self.buffers, mode)
-        return {name: self._attention_metadata(batch) for name in self.graph_runner.attn_groups}
+        return {
+            name: batch.attention_metadata(self.buffers) for name in self.graph_runner.attn_groups
+        }
 
     # ---------------------------------------------------------------- per step
 
-    def _attention_metadata(self, batch: InputBatch) -> AttentionMetadata:
-        views = self.buffers.attention_views(
-            batch.num_reqs_after_padding, batch.num_tokens_after_padding
-        )
-        return AttentionMetadata(
-            num_reqs=batch.num_reqs,
-            num_actual_tokens=batch.num_tokens,
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-            uniform_decode=batch.uniform_decode,
-            query_start_loc_cpu=batch.query_start_loc_cpu,
-            seq_lens_cpu=batch.seq_lens_cpu,
-            query_start_loc=views.query_start_loc,
-            seq_lens=views.seq_lens,
-            block_tables=views.block_tables,
-            slot_mapping=views.slot_mapping,
-            seq_lens_host=views.seq_lens_host,
-            num_reqs_host=views.num_reqs_host,
-            query_start_loc_host=views.query_start_loc_host,
-        )
-
-    def _update_states(self, so: SchedulerOutput) -> list[CachedRequestState]:
-        """Apply the scheduler's data to the request states; the batch's, in order."""
-        requests = self.requests
-        for req_id in so.finished_req_ids:
-            requests.pop(req_id, None)
-        if so.preempted_req_ids:
-            self.buffers.forget(so.preempted_req_ids)
-        for new in so.scheduled_new_reqs:
-            requests[new.req_id] = CachedRequestState.from_new_request(new, self.device)
-        cached = so.scheduled_cached_reqs
-        for req_id, resumed, new_block_ids, num_computed in zip(
-            cached.req_ids,
-            cached.resumed_from_preemption,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            strict=True,
-        ):
-            state = requests[req_id]
-            state.num_computed_tokens = num_computed
-            if resumed:
-                state.block_ids = list(new_block_ids)
-                self.buffers.forget({req_id})
-            elif new_block_ids is not None:
-                state.block_ids.extend(new_block_ids)
-        return [requests[req_id] for req_id in so.req_ids]
-
     def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]) -> InputBatch:
-        """Write this step's inputs into the persistent buffers (host side first)."""
-        b, bs = self.buffers, self.block_size
-        counts = so.num_scheduled_tokens
+        """Dispatch the batch and write it into the persistent buffers."""
         num_reqs, num_tokens = len(states), so.total_num_scheduled_tokens
-        uniform = num_tokens == num_reqs
-        mode, key = self.graph_runner.dispatch(num_tokens, num_reqs, uniform)
-        padded_tokens = key.num_tokens
-        if key.uniform:
-            padded_reqs = key.num_reqs
-        elif mode is RuntimeMode.FULL:
-            # A mixed graph's metadata spans every request row (captured so): rows past
-            # this batch must read as empty to kernels that search them on the device.
-            padded_reqs = self.max_num_reqs
-        else:
-            padded_reqs = num_reqs
-        ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
-        seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
-        seq_lens_cpu: list[int] = []
-        sample_rows: list[int] = []
-        start = 0
-        for i, (state, n) in enumerate(zip(states, counts, strict=True)):
-            first = state.num_computed_tokens
-            end = first + n
-            block_ids = state.block_ids
-            tokens = state.all_token_ids
-            if n == 1:
-                ids[start] = tokens[first]
-                pos[start] = first
-                slots[start] = block_ids[first // bs] * bs + first % bs
-            else:
-                p = np.arange(first, end)
-                ids[start : start + n] = tokens[first:end]
-                pos[start : start + n] = p
-                slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
-            seq_lens[i] = end
-            seq_lens_cpu.append(end)
-            b.write_block_row(i, state.req_id, block_ids)
-            start += n
-            qsl[i + 1] = start
-            logits_idx[i] = start - 1
-            if end == len(tokens):
-                sample_rows.append(i)
-        # Padding (docs/design.md §5) and stale tails.
-        if padded_tokens > num_tokens:
-            ids[num_tokens:padded_tokens] = 0
-            pos[num_tokens:padded_tokens] = 0
-            slots[num_tokens:padded_tokens] = -1
-        if padded_reqs > num_reqs:
-            seq_lens[num_reqs:padded_reqs] = 0
-            qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
-            b.clear_block_rows(num_reqs, padded_reqs)
-        b.copy_to_device(padded_tokens, padded_reqs)
-        b.num_reqs_np[0] = num_reqs
-        return InputBatch(
-            req_ids=so.req_ids,
-            num_reqs=num_reqs,
-            num_tokens=num_tokens,
-            num_reqs_after_padding=padded_reqs,
-            num_tokens_after_padding=padded_tokens,
-            max_query_len=max(counts),
-            max_seq_len=max(seq_lens_cpu),
-            uniform_decode=uniform,
-            query_start_loc_cpu=(
-                [0, 1] if num_reqs == 1 and num_tokens == 1 else qsl[: num_reqs + 1].tolist()
-            ),
-            seq_lens_cpu=seq_lens_cpu,
-            sample_rows=sample_rows,
-            runtime_mode=mode,
-            batch_descriptor=key,
+        mode, key = self.graph_runner.dispatch(num_tokens, num_reqs, num_tokens == num_reqs)
+        return InputBatch.prepare(
+            so.req_ids, states, so.num_scheduled_tokens, mode, key, self.buffers
         )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        states = self._update_states(so)
+        states, replaced = self.requests.update(so)
+        if so.preempted_req_ids or replaced:
+            # Their rows were written for blocks that are gone.
+            self.buffers.forget(so.preempted_req_ids | replaced)
         batch = self._prepare_inputs(so, states)
         logits, greedy_ids = self._forward(batch)
         sampled: list[int | None] = [None] * batch.num_reqs
@@ -305,7 +207,7 @@ class ModelRunner:
         """Logits for each request's last scheduled token ([num_reqs, vocab]), and their
         greedy ids where a full decode graph computed them (else None)."""
         mode, key, n = batch.runtime_mode, batch.batch_descriptor, batch.num_reqs
-        metadata = self._attention_metadata(batch)
+        metadata = batch.attention_metadata(self.buffers)
         b = self.buffers
         with set_forward_context(self._eager_context):
             if mode is RuntimeMode.NONE:

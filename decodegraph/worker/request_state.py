@@ -1,0 +1,106 @@
+"""The model runner's own state per request, kept from the scheduler's plain data.
+
+The runner never holds the engine's `Request` objects: it learns each request once
+(`NewRequestData`), then applies the scheduler's per-step deltas (`CachedRequestData`)
+and appends the tokens it samples itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decodegraph.core.sched_output import NewRequestData, SchedulerOutput
+from decodegraph.sampling_params import SamplingParams
+
+
+@dataclass(eq=False, slots=True)
+class CachedRequestState:
+    """One request as the runner knows it (vLLM's name)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    # Per-request RNG for `seed`; None uses torch's global generator.
+    generator: torch.Generator | None
+    # Its block table: the KV-cache blocks of its tokens, in order.
+    block_ids: list[int]
+    # Tokens in the KV cache before the step being prepared.
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    # Prompt then outputs.
+    all_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(new.sampling_params.seed)
+        return cls(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            sampling_params=new.sampling_params,
+            eos_token_id=new.eos_token_id,
+            generator=generator,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            all_token_ids=list(new.prompt_token_ids),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+class RequestStates:
+    """Request id -> `CachedRequestState`, updated once per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: dict[str, CachedRequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.states
+
+    def __getitem__(self, req_id: str) -> CachedRequestState:
+        return self.states[req_id]
+
+    def update(self, so: SchedulerOutput) -> tuple[list[CachedRequestState], set[str]]:
+        """Apply one step's scheduler data; returns the batch's states in batch order,
+        and the ids whose block tables were replaced (resumed after preemption)."""
+        states = self.states
+        for req_id in so.finished_req_ids:
+            states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            states[new.req_id] = CachedRequestState.from_new_request(new, self.device)
+        replaced: set[str] = set()
+        cached = so.scheduled_cached_reqs
+        for req_id, resumed, new_block_ids, num_computed in zip(
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            strict=True,
+        ):
+            state = states[req_id]
+            state.num_computed_tokens = num_computed
+            if resumed:
+                state.block_ids = list(new_block_ids)
+                replaced.add(req_id)
+            elif new_block_ids is not None:
+                state.block_ids.extend(new_block_ids)
+        return [states[req_id] for req_id in so.req_ids], replaced
