@@ -9,6 +9,8 @@ output, and tests compare outputs against runs without that feature.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from decodegraph.config import CacheConfig, SchedulerConfig
@@ -16,7 +18,7 @@ from decodegraph.core.sched_output import EngineCoreOutput, ModelRunnerOutput, S
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.outputs import Logprob
 from decodegraph.request import Request, RequestStatus
-from decodegraph.sampling_params import RequestOutputKind
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 from tests.utils.requests import make_request
 
 BLOCK_SIZE = 4
@@ -272,6 +274,54 @@ def test_preempted_request_goes_to_the_front_of_waiting_before_new_ones() -> Non
     run_to_completion(sched, model)
     assert [r.num_output_tokens for r in (a, b, c)] == [8, 8, 8]
     assert_all_blocks_free(sched)
+
+
+def _plain(value: object) -> bool:
+    """Whether a SchedulerOutput field holds plain data only (no live engine objects)."""
+    if isinstance(value, (str, int, bool, type(None), SamplingParams)):
+        return True
+    if isinstance(value, (list, tuple, set)):
+        return all(_plain(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return all(_plain(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def test_the_runner_gets_plain_data_new_requests_once_then_deltas() -> None:
+    # Blocks of 4 tokens; a 4-token prompt fills its first block, so its first decode
+    # step allocates a second one, and later steps allocate nothing until token 9.
+    sched, model = make_scheduler(num_blocks=5, max_num_seqs=2)
+    a, b, c = (make_request(rid, [k + 1] * 4, max_tokens=8) for k, rid in enumerate("abc"))
+    for r in (a, b, c):
+        sched.add_request(r)
+    so, _ = step(sched, model)
+    assert _plain(so)
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["a", "b"]
+    assert so.scheduled_new_reqs[0].prompt_token_ids == [1, 1, 1, 1]
+    table_a = so.scheduled_new_reqs[0].block_ids
+    assert len(table_a) == 1 and so.scheduled_cached_reqs.req_ids == []
+    so, _ = step(sched, model)
+    cached = so.scheduled_cached_reqs
+    assert so.scheduled_new_reqs == [] and cached.req_ids == ["a", "b"]
+    assert cached.num_computed_tokens == [4, 4] and cached.resumed_from_preemption == [False] * 2
+    assert all(blocks is not None and len(blocks) == 1 for blocks in cached.new_block_ids)
+    so, _ = step(sched, model)
+    assert so.scheduled_cached_reqs.new_block_ids == [None, None]  # room left: no deltas
+    while not so.preempted_req_ids:
+        so, _ = step(sched, model)
+    assert so.preempted_req_ids == {"b"}
+    while "b" not in so.req_ids:
+        so, _ = step(sched, model)
+    cached = so.scheduled_cached_reqs
+    i = cached.req_ids.index("b")
+    # Recomputed from its prefix-cache hit (whole blocks), not from where it was.
+    resumed_at = b.num_computed_tokens - so.num_scheduled_tokens[so.req_ids.index("b")]
+    assert cached.resumed_from_preemption[i] and cached.num_computed_tokens[i] == resumed_at
+    assert resumed_at % BLOCK_SIZE == 0
+    assert cached.new_block_ids[i] == sched.kv_cache_manager.get_block_ids("b")
+    assert "b" not in [n.req_id for n in so.scheduled_new_reqs]
+    run_to_completion(sched, model)
+    assert [r.num_output_tokens for r in (a, b, c)] == [8, 8, 8]
 
 
 def test_request_that_outgrows_the_cache_is_length_capped_instead_of_livelocking() -> None:

@@ -1,0 +1,96 @@
+"""InputBatch: what a step writes into the persistent buffers, padding included
+(docs/design.md §5), and the dummy batches of capture and profiling."""
+
+from __future__ import annotations
+
+import torch
+
+from decodegraph.forward_context import BatchDescriptor
+from decodegraph.graphs.modes import RuntimeMode
+from decodegraph.sampling_params import SamplingParams
+from decodegraph.worker.input_batch import InputBatch
+from decodegraph.worker.input_buffers import InputBuffers
+from decodegraph.worker.request_state import CachedRequestState
+
+BS = 4  # block size
+
+
+def _buffers(max_tokens: int = 16, max_reqs: int = 6) -> InputBuffers:
+    return InputBuffers(max_tokens, max_reqs, 8, BS, torch.device("cpu"))
+
+
+def _state(req_id: str, tokens: list[int], computed: int, blocks: list[int]) -> CachedRequestState:
+    return CachedRequestState(
+        req_id, tokens, SamplingParams(), None, None, blocks, computed, all_token_ids=list(tokens)
+    )
+
+
+def test_prepare_writes_tokens_positions_slots_and_pads_a_uniform_key() -> None:
+    b = _buffers()
+    # A decode at position 5 (block 2, offset 1) and one at position 0 of block 3.
+    states = [_state("a", [1, 2, 3, 4, 5, 6], 5, [1, 2]), _state("b", [7], 0, [3])]
+    key = BatchDescriptor(4, 4, True)
+    batch = InputBatch.prepare(["a", "b"], states, [1, 1], RuntimeMode.FULL, key, b)
+    assert b.input_ids.np[:4].tolist() == [6, 7, 0, 0]
+    assert b.positions.np[:4].tolist() == [5, 0, 0, 0]
+    assert b.slot_mapping.np[:4].tolist() == [2 * BS + 1, 3 * BS, -1, -1]
+    assert b.seq_lens.np[:4].tolist() == [6, 1, 0, 0]
+    assert b.query_start_loc.np[:5].tolist() == [0, 1, 2, 2, 2]
+    assert b.block_tables.np[:2, :2].tolist() == [[1, 2], [3, 0]]
+    assert (batch.num_reqs, batch.num_tokens) == (2, 2)
+    assert (batch.num_reqs_after_padding, batch.num_tokens_after_padding) == (4, 4)
+    assert batch.uniform_decode and batch.sample_rows == [0, 1]
+    assert batch.seq_lens_cpu == [6, 1] and batch.max_seq_len == 6
+
+
+def test_a_partial_prefill_chunk_does_not_sample_and_a_mixed_full_key_spans_every_row() -> None:
+    b = _buffers()
+    states = [_state("p", list(range(10, 20)), 2, [5, 6, 7]), _state("d", [1, 2], 1, [4])]
+    key = BatchDescriptor(8, None, False)
+    batch = InputBatch.prepare(["p", "d"], states, [4, 1], RuntimeMode.FULL, key, b)
+    assert b.input_ids.np[:5].tolist() == [12, 13, 14, 15, 2]
+    assert b.slot_mapping.np[:8].tolist() == [22, 23, 24, 25, 17, -1, -1, -1]
+    assert batch.sample_rows == [1]  # p computes tokens 2-5 of 10: no sample yet
+    assert batch.num_reqs_after_padding == b.max_num_reqs
+    assert b.query_start_loc.np[: b.max_num_reqs + 1].tolist() == [0, 4, 5, 5, 5, 5, 5]
+    assert b.logits_indices.np[:2].tolist() == [3, 4]
+    md = batch.attention_metadata(b)
+    assert md.seq_lens.shape == (b.max_num_reqs,) and md.slot_mapping.shape == (8,)
+    assert md.query_start_loc_cpu == [0, 4, 5] and md.num_actual_tokens == 5
+
+
+def test_a_request_that_moved_rows_gets_its_block_row_rewritten() -> None:
+    b = _buffers()
+    a, c = _state("a", [1, 2], 1, [1]), _state("c", [3, 4], 1, [2, 3])
+    none = BatchDescriptor(2, 2, True)
+    InputBatch.prepare(["a", "c"], [a, c], [1, 1], RuntimeMode.NONE, none, b)
+    InputBatch.prepare(["c"], [c], [1], RuntimeMode.NONE, BatchDescriptor(1, 1, True), b)
+    assert b.block_tables.np[0, :2].tolist() == [2, 3]
+
+
+def test_make_dummy_writes_one_token_requests_at_length_one_into_the_null_block() -> None:
+    b = _buffers()
+    b.slot_mapping.np[:] = 9
+    batch = InputBatch.make_dummy(3, 3, True, b, RuntimeMode.FULL)
+    assert b.slot_mapping.np[:3].tolist() == [0, 0, 0]  # the reserved null block
+    assert b.seq_lens.np[:3].tolist() == [1, 1, 1]
+    assert batch.max_seq_len == 1 and batch.seq_lens_cpu == [1, 1, 1]
+    assert batch.batch_descriptor == BatchDescriptor(3, 3, True)
+    md = batch.attention_metadata(b)
+    assert md.num_reqs == 3 and md.block_tables.shape[0] == 3
+
+
+def test_make_dummy_of_a_mixed_key_leaves_padding_and_spans_every_row() -> None:
+    b = _buffers()
+    batch = InputBatch.make_dummy(1, 8, False, b, RuntimeMode.PIECEWISE)
+    assert b.slot_mapping.np[:8].tolist() == [0] + [-1] * 7
+    assert b.query_start_loc.np[: b.max_num_reqs + 1].tolist() == [0, 1, 1, 1, 1, 1, 1]
+    assert batch.num_reqs_after_padding == b.max_num_reqs and batch.num_tokens == 1
+
+
+def test_the_profiling_dummy_has_no_requests_and_writes_no_slot() -> None:
+    b = _buffers()
+    batch = InputBatch.make_dummy(0, 16, False, b)
+    assert (b.slot_mapping.np[:16] == -1).all()
+    md = batch.attention_metadata(b)
+    assert md.num_reqs == 0 and md.num_actual_tokens == 0

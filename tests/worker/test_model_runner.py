@@ -1,0 +1,111 @@
+"""The model runner on stories260K, driven by hand-made scheduler data (plain ids, token
+ids, block ids and sampling params: never an engine `Request`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decodegraph.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from decodegraph.engine.arg_utils import EngineArgs
+from decodegraph.entrypoints.llm import LLM
+from decodegraph.platforms import get_platform
+from decodegraph.worker.model_runner import ModelRunner
+from tests.utils.requests import greedy
+
+BLOCK_SIZE = 16
+
+
+def make_runner(stories_dir: Path, mode: str = "NONE") -> ModelRunner:
+    config = EngineArgs(
+        model=str(stories_dir),
+        max_model_len=64,
+        max_num_seqs=4,
+        block_size=BLOCK_SIZE,
+        compilation_config={
+            "cudagraph_mode": mode,
+            "cudagraph_capture_sizes": [1, 2, 4],
+            "use_inductor": False,
+        },
+    ).create_engine_config()
+    runner = ModelRunner(config, get_platform("cpu"), config.model_config.hf_config)
+    runner.load_model(config.model_config.model_path)
+    runner.profile_run()
+    runner.initialize_kv_cache(num_blocks=1 + 4 * 4)
+    runner.resolve_graph_mode()
+    runner.capture_graphs()
+    return runner
+
+
+def run_by_hand(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """A scheduler in miniature: every request's whole prompt in the first step, then one
+    token each; four blocks per request, handed out up front."""
+    ids = [str(i) for i in range(len(prompts))]
+    news = [
+        NewRequestData(rid, p, greedy(max_tokens), None, [1 + 4 * i + j for j in range(4)], 0)
+        for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
+    ]
+    counts = [len(p) for p in prompts]
+    so = SchedulerOutput(ids, counts, sum(counts), scheduled_new_reqs=news)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    for step in range(max_tokens):
+        out = runner.execute_model(so)
+        assert out.req_ids == ids
+        for i, tok in enumerate(out.sampled_token_ids):
+            outputs[i].append(tok)
+            computed[i] += so.num_scheduled_tokens[i]
+        if step == max_tokens - 1:
+            break
+        cached = CachedRequestData()
+        for rid, c in zip(ids, computed, strict=True):
+            cached.append(rid, False, None, c)
+        so = SchedulerOutput(ids, [1] * len(ids), len(ids), scheduled_cached_reqs=cached)
+    return outputs
+
+
+PROMPTS = [[1], [1, 50, 60], [1, 70, 80, 90]]
+
+
+@pytest.fixture(scope="module")
+def llm_ids(stories_dir: Path) -> list[list[int]]:
+    llm = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(20), use_tqdm=False)]
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_a_runner_fed_plain_scheduler_data_decodes_as_the_engine_does(
+    stories_dir: Path, llm_ids: list[list[int]], mode: str
+) -> None:
+    runner = make_runner(stories_dir, mode)
+    assert run_by_hand(runner, PROMPTS, 20) == llm_ids
+    # The runner appended what it sampled: its states hold prompt plus outputs.
+    for i, prompt in enumerate(PROMPTS):
+        assert runner.requests[str(i)].all_token_ids == prompt + llm_ids[i]
+    counts = runner.graph_runner.mode_counts
+    assert counts[("mixed", "NONE")] == 1  # 8 prompt tokens: above the largest size
+    assert counts[("decode", "NONE" if mode == "NONE" else "FULL")] == 19
+
+
+def test_finished_requests_leave_the_runner(stories_dir: Path) -> None:
+    runner = make_runner(stories_dir)
+    run_by_hand(runner, PROMPTS[:2], 3)
+    assert len(runner.requests) == 2
+    cached = CachedRequestData()
+    cached.append("1", False, None, 5)
+    runner.execute_model(
+        SchedulerOutput(["1"], [1], 1, scheduled_cached_reqs=cached, finished_req_ids={"0"})
+    )
+    assert "0" not in runner.requests and "1" in runner.requests
+
+
+def test_sampling_statics_are_cached_per_runner(stories_dir: Path) -> None:
+    """The batch statics cache is the runner's: reused across its steps while the same
+    requests sit in the same rows, never shared with another runner."""
+    first, second = make_runner(stories_dir), make_runner(stories_dir)
+    assert first._sampling_statics is not second._sampling_statics
+    run_by_hand(first, PROMPTS, 2)
+    cached = first._sampling_statics._last
+    assert cached is not None and [s.req_id for s in cached[0]] == ["0", "1", "2"]
+    assert second._sampling_statics._last is None
