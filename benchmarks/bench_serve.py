@@ -32,8 +32,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park. They saw",
-           "One day, a big bird", "Tom had a red ball.", "Mom said"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Ben went to the park. They saw",
+    "One day, a big bird",
+    "Tom had a red ball.",
+    "Mom said",
+]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -51,9 +57,22 @@ def _free_port() -> int:
 
 def start_server(model: str, mode: str, port: int, extra: list[str]) -> subprocess.Popen:
     """`decodegraph serve` on loopback in `mode`; returns once /health answers."""
-    cmd = [sys.executable, "-m", "decodegraph.entrypoints.cli", "serve", model,
-           "--port", str(port), "--served-model-name", "bench", "--uvicorn-log-level",
-           "warning", "--compilation-config", json.dumps({"cudagraph_mode": mode}), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "decodegraph.entrypoints.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "bench",
+        "--uvicorn-log-level",
+        "warning",
+        "--compilation-config",
+        json.dumps({"cudagraph_mode": mode}),
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600  # graph capture (and Inductor) can take a while
     while time.monotonic() < deadline:
@@ -70,8 +89,15 @@ def start_server(model: str, mode: str, port: int, extra: list[str]) -> subproce
 
 
 async def _one(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     token_times: list[float] = []
     tokens = 0
@@ -86,12 +112,14 @@ async def _one(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
             if chunk["choices"] and chunk["choices"][0]["text"]:
                 token_times.append(time.perf_counter())
     itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
-    return {"ttft": token_times[0] - sent if token_times else float("nan"), "itl": itl,
-            "tokens": tokens}
+    return {
+        "ttft": token_times[0] - sent if token_times else float("nan"),
+        "itl": itl,
+        "tokens": tokens,
+    }
 
 
-async def run_level(base_url: str, concurrency: int, num_prompts: int,
-                    max_tokens: int) -> dict:
+async def run_level(base_url: str, concurrency: int, num_prompts: int, max_tokens: int) -> dict:
     """`num_prompts` streamed requests from `concurrency` clients; latency and tokens/s."""
     queue: asyncio.Queue[str] = asyncio.Queue()
     for i in range(num_prompts):
@@ -110,10 +138,17 @@ async def run_level(base_url: str, concurrency: int, num_prompts: int,
     ttft = [r["ttft"] for r in results]
     itl = [x for r in results for x in r["itl"]]
     tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "num_prompts": num_prompts, "wall_s": wall,
-            "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1e3 * _percentile(ttft, 50), "ttft_p99_ms": 1e3 * _percentile(ttft, 99),
-            "itl_p50_ms": 1e3 * _percentile(itl, 50), "itl_p99_ms": 1e3 * _percentile(itl, 99)}
+    return {
+        "concurrency": concurrency,
+        "num_prompts": num_prompts,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * _percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * _percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * _percentile(itl, 50),
+        "itl_p99_ms": 1e3 * _percentile(itl, 99),
+    }
 
 
 def main() -> None:
@@ -121,12 +156,20 @@ def main() -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--modes", nargs="+", default=["NONE", "FULL_DECODE_ONLY"])
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="requests per level (default: max(16, 4 x concurrency))")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests per level (default: max(16, 4 x concurrency))",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=4, help="requests before measuring")
-    parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra `decodegraph serve` flag (repeatable), e.g. --device=cuda")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `decodegraph serve` flag (repeatable), e.g. --device=cuda",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/)")
     args = parser.parse_args()
 
@@ -144,11 +187,13 @@ def main() -> None:
                 row = asyncio.run(run_level(base_url, c, n, args.max_tokens))
                 row.update(mode=mode, startup_s=startup)
                 rows.append(row)
-                print(f"  {mode:<17} c={c:<3} {row['output_tokens_per_s']:8.1f} tok/s",
-                      flush=True)
+                print(f"  {mode:<17} c={c:<3} {row['output_tokens_per_s']:8.1f} tok/s", flush=True)
             metrics = httpx.get(f"{base_url}/metrics").text
-            graph_runs = [line for line in metrics.splitlines()
-                          if line.startswith("decodegraph:graph_runs_total{")]
+            graph_runs = [
+                line
+                for line in metrics.splitlines()
+                if line.startswith("decodegraph:graph_runs_total{")
+            ]
             for row in rows:
                 if row["mode"] == mode:
                     row["graph_runs"] = graph_runs
@@ -157,25 +202,42 @@ def main() -> None:
             proc.wait(timeout=30)
 
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["mode"] == "NONE"}
-    header = (f"{'mode':<17} {'conc':>4} {'tok/s':>9} {'vs NONE':>7} {'TTFT p50':>9} "
-              f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)")
+    header = (
+        f"{'mode':<17} {'conc':>4} {'tok/s':>9} {'vs NONE':>7} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}  (ms)"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        ratio = r["output_tokens_per_s"] / base[r["concurrency"]] if r["concurrency"] in base \
+        ratio = (
+            r["output_tokens_per_s"] / base[r["concurrency"]]
+            if r["concurrency"] in base
             else float("nan")
-        print(f"{r['mode']:<17} {r['concurrency']:>4} {r['output_tokens_per_s']:>9.1f} "
-              f"{ratio:>6.2f}x {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
-              f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}")
+        )
+        print(
+            f"{r['mode']:<17} {r['concurrency']:>4} {r['output_tokens_per_s']:>9.1f} "
+            f"{ratio:>6.2f}x {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
+            f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}"
+        )
 
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / "bench_serve.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": args.model, "max_tokens": args.max_tokens,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
-        "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "model": args.model,
+                "max_tokens": args.max_tokens,
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"saved {out}")
 
 

@@ -75,7 +75,9 @@ def check_correctness() -> dict[str, object]:
                 "equal_to_none": ids == reference[backend],
                 "equal_to_triton_none": ids == reference.get("TRITON_ATTN"),
                 "batch_invariant": single == ids[3],
-                "steps_by_mode": {f"{k[0]}:{k[1]}": v for k, v in runner.graph_runner.mode_counts.items()},
+                "steps_by_mode": {
+                    f"{k[0]}:{k[1]}": v for k, v in runner.graph_runner.mode_counts.items()
+                },
             }
             del llm
         except Exception as e:  # noqa: BLE001 - report every mode, keep going

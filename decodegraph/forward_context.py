@@ -54,7 +54,7 @@ class set_forward_context:  # noqa: N801 - used like the context-manager functio
     """Make `ctx` current for the duration of a forward pass (or of a capture).
 
     A class rather than a generator-based context manager: it is entered once per step,
-    and this costs a fifth as much."""
+    and this costs much less."""
 
     __slots__ = ("_ctx", "_prev")
 

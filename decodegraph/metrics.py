@@ -18,12 +18,70 @@ from prometheus_client.registry import Collector
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Buckets as vLLM's, from sub-millisecond CPU steps to slow first tokens under load.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
-                0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
-                30.0, 40.0, 50.0, 60.0, 120.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+_E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+)
 
 
 class _StatsCollector(Collector):
@@ -51,15 +109,19 @@ class _StatsCollector(Collector):
             return c
 
         yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                    stats.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).",
-                    stats.kv_cache_usage)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0 to 1).",
+            stats.kv_cache_usage,
+        )
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens_total)
-        runs = CounterMetricFamily("decodegraph:graph_runs",
-                                   "Forward steps per runtime graph mode (NONE, PIECEWISE, FULL).",
-                                   labels=["model_name", "mode"])
+        runs = CounterMetricFamily(
+            "decodegraph:graph_runs",
+            "Forward steps per runtime graph mode (NONE, PIECEWISE, FULL).",
+            labels=["model_name", "mode"],
+        )
         for mode, count in sorted(dict(stats.graph_runs).items()):
             runs.add_metric([self._model_name, str(mode)], float(count))
         yield runs
@@ -75,17 +137,23 @@ class EngineMetrics:
         self.time_to_first_token = Histogram(
             "decodegraph:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
         ).labels(model_name)
         self.inter_token_latency = Histogram(
             "decodegraph:inter_token_latency_seconds",
             "Time between two outputs of a request (one per engine step that produced tokens).",
-            labels, buckets=_ITL_BUCKETS, registry=self.registry,
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
         ).labels(model_name)
         self.e2e_request_latency = Histogram(
             "decodegraph:e2e_request_latency_seconds",
             "Time from arrival to the request's last token.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
         ).labels(model_name)
         self.registry.register(_StatsCollector(get_stats, model_name))
 

@@ -58,27 +58,13 @@ def unified_attention_with_output(
     get_forward_context().attn_backend.forward(query, key, value, output, layer_idx, params_id)
 
 
-def _unified_attention_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, params_id: int
-) -> torch.Tensor:
-    return torch.empty_like(query)
-
-
-def _unified_attention_with_output_fake(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    output: torch.Tensor,
-    layer_idx: int,
-    params_id: int,
-) -> None:
-    return None
-
-
 _lib.impl("unified_attention", unified_attention, "CompositeExplicitAutograd")
-_lib.impl("unified_attention", _unified_attention_fake, "Meta")
-_lib.impl("unified_attention_with_output", unified_attention_with_output, "CompositeExplicitAutograd")
-_lib.impl("unified_attention_with_output", _unified_attention_with_output_fake, "Meta")
+# Shapes only (traces and fake tensors): the output is the query's shape.
+_lib.impl("unified_attention", lambda query, *_: torch.empty_like(query), "Meta")
+_lib.impl(
+    "unified_attention_with_output", unified_attention_with_output, "CompositeExplicitAutograd"
+)
+_lib.impl("unified_attention_with_output", lambda *_: None, "Meta")
 
 # The op a piecewise trace is split at.
 SPLIT_OP = torch.ops.decodegraph.unified_attention_with_output.default

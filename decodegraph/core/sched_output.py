@@ -37,20 +37,22 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """Requests the runner already holds, as per-step deltas (parallel lists)."""
+    """Deltas for requests the runner already holds (parallel lists), only for those
+    that have one this step: new blocks, or a return from preemption. A request without
+    one is unchanged but for what the runner does itself: it advances its computed
+    tokens by the tokens it computed, and appends the tokens it sampled."""
 
     req_ids: list[str] = field(default_factory=list)
     # Back from preemption: its old blocks are gone and `new_block_ids` is the whole
     # table; its tokens (prompt and outputs) are the runner's own, as before.
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    # Blocks appended since the previous step (the whole table when resumed); None
-    # when none were (most decode steps).
-    new_block_ids: list[list[int] | None] = field(default_factory=list)
-    # Tokens in the KV cache before this step.
+    # Blocks appended since the previous step (the whole table when resumed).
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Tokens in the KV cache before this step (a resumed request's prefix-cache hit).
     num_computed_tokens: list[int] = field(default_factory=list)
 
     def append(
-        self, req_id: str, resumed: bool, new_block_ids: list[int] | None, num_computed: int
+        self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int
     ) -> None:
         self.req_ids.append(req_id)
         self.resumed_from_preemption.append(resumed)
@@ -75,7 +77,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests scheduled for the first time, in batch order.
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    # Requests the runner holds (running, or resumed from preemption), in batch order.
+    # Deltas for requests the runner holds (running, or resumed from preemption), in
+    # batch order.
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     # Requests preempted (blocks freed, sent back to waiting) during this schedule() call.
     preempted_req_ids: set[str] = field(default_factory=set)

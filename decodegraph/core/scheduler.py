@@ -164,7 +164,7 @@ class Scheduler:
         req_ids: list[str] = []
         num_scheduled: list[int] = []
         new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
+        cached = CachedRequestData([], [], [], [])
         preempted: set[str] = set()
 
         # Running requests, highest priority (earliest arrival) first.
@@ -179,12 +179,13 @@ class Scheduler:
             scheduled.append(request)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            cached.append(
-                request.request_id,
-                False,
-                [b.block_id for b in new_blocks] if new_blocks else None,
-                request.num_computed_tokens,
-            )
+            if new_blocks:
+                cached.append(
+                    request.request_id,
+                    False,
+                    [b.block_id for b in new_blocks],
+                    request.num_computed_tokens,
+                )
             token_budget -= num_new
             req_index += 1
 

@@ -60,8 +60,9 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
-        self.metrics = EngineMetrics(str(self.model_config.served_model_name),
-                                     lambda: self._latest_stats)
+        self.metrics = EngineMetrics(
+            str(self.model_config.served_model_name), lambda: self._latest_stats
+        )
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         # Touched by the engine thread only.
         self._streams: dict[str, _RequestStream] = {}
@@ -69,8 +70,9 @@ class AsyncLLM:
         self._last_stats_time = 0.0
         self._dead: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._engine_loop, name="decodegraph-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._engine_loop, name="decodegraph-engine", daemon=True
+        )
         if start:
             self._thread.start()
 
@@ -95,8 +97,9 @@ class AsyncLLM:
         if not self._thread.is_alive():
             raise EngineDeadError("engine thread is not running")
 
-    async def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                          params: SamplingParams) -> _RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
+    ) -> _RequestStream:
         """Submit a request and wait until the engine accepted it.
 
         Raises ValueError (and TypeError/OverflowError) from the engine for a bad request;
@@ -133,8 +136,9 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(("abort", [stream.request_id]))
 
-    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs (use `RequestOutputKind.DELTA` to stream).
 
         A bad request raises ValueError on the first iteration. If the caller stops
@@ -213,8 +217,9 @@ class AsyncLLM:
         if kind == "add":
             _, stream, prompt, params = cmd
             try:
-                self.engine.add_request(stream.request_id, prompt, params,
-                                        arrival_time=stream.arrival_time)
+                self.engine.add_request(
+                    stream.request_id, prompt, params, arrival_time=stream.arrival_time
+                )
             except _BAD_REQUEST_ERRORS as e:
                 self._post(stream, e)
                 return

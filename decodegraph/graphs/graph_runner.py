@@ -93,7 +93,11 @@ class GraphRunner:
         self.stats = CaptureStats()
         # (step kind, runtime mode) -> steps dispatched; step kind is "decode" or "mixed".
         self.mode_counts: Counter[tuple[str, str]] = Counter()
-        self._unchecked: set[GraphKey] = set()
+        # Key -> its graph, its params id and whether its first replay's check ran. A key
+        # names one graph: uniform keys are full graphs, mixed keys the mixed mode's.
+        self._replays: dict[BatchDescriptor, _Replay] = {}
+        # (group name, backend) pairs, in a tuple for the per-step loops.
+        self._groups = tuple(attn_groups.items())
 
     # ---------------------------------------------------------------- start-up
 
@@ -180,7 +184,7 @@ class GraphRunner:
         metadata = prepare_dummy(mode, key)
         name = f"{mode.name}{tuple(key)}"
         fn = self._forward_fn(model, logits=mode is RuntimeMode.FULL and key.uniform)
-        (group, backend), = self.attn_groups.items()
+        ((group, backend),) = self.attn_groups.items()
         if mode is RuntimeMode.FULL:
             params_id = self.graph_params[key] = backend.new_graph_params(metadata[group])
             context = ForwardContext(backend, params_id)
@@ -203,7 +207,7 @@ class GraphRunner:
                 )
             count = graph.num_pieces
         self.graphs[(mode, key)] = graph
-        self._unchecked.add((mode, key))
+        self._replays[key] = _Replay(graph, mode, self.graph_params.get(key))
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
 
@@ -258,15 +262,27 @@ class GraphRunner:
         """Replay the graph for (mode, key) over what the step wrote into the buffers,
         with this step's attention metadata per group. Returns the graph's outputs:
         (logits, greedy ids) for a uniform full graph, hidden states otherwise."""
-        graph = self.graphs[(mode, key)]
-        if self._unchecked and (mode, key) in self._unchecked:
-            graph.check_inputs(self.graph_inputs(mode, key))
-            self._unchecked.discard((mode, key))
-        if mode is RuntimeMode.FULL:
-            params_id = self.graph_params[key]
-            for group, backend in self.attn_groups.items():
-                backend.update_graph_params(params_id, metadata[group])
+        replay = self._replays[key]
+        if not replay.checked:
+            replay.graph.check_inputs(self.graph_inputs(mode, key))
+            replay.checked = True
+        if replay.params_id is not None:
+            for group, backend in self._groups:
+                backend.update_graph_params(replay.params_id, metadata[group])
         else:
-            for group, backend in self.attn_groups.items():
+            for group, backend in self._groups:
                 backend.set_eager_metadata(metadata[group])
-        return graph.replay()
+        return replay.graph.replay()
+
+
+class _Replay:
+    """What a step needs to replay one key's graph."""
+
+    __slots__ = ("checked", "graph", "mode", "params_id")
+
+    def __init__(self, graph: DeviceGraph, mode: RuntimeMode, params_id: int | None) -> None:
+        self.graph = graph
+        self.mode = mode
+        # A full graph's params id; None for a piecewise graph (eager attention).
+        self.params_id = params_id
+        self.checked = False

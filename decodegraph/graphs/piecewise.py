@@ -134,9 +134,7 @@ class PiecewiseGraph(DeviceGraph):
         stable = {t.data_ptr() for t in self.inputs}
 
         def make(piece_name: str, piece: torch.fx.GraphModule, args: tuple) -> object:
-            return platform.make_piece(
-                f"{name}.{piece_name}", piece, args, stable, config, pool
-            )
+            return platform.make_piece(f"{name}.{piece_name}", piece, args, stable, config, pool)
 
         with torch.no_grad():
             _PieceMaker(self.split, self.piece_names, make).run(*self.inputs)

@@ -1,16 +1,16 @@
 """Linear layers whose weights are written by the loader, with vLLM's names.
 
 Tensor parallel size is 1 in this release, so every layer holds the full matrix;
-the classes mark where column/row splitting goes when it comes (DESIGN §8). Weights
+the classes mark where column/row splitting goes when it comes (docs/design.md §8). Weights
 are allocated with `torch.empty` (no random init: the loader writes every one), and
 stacked layers (q/k/v, gate/up) expose a `weight_loader(param, loaded_weight, shard_id)`
 that copies one Hugging Face tensor into its rows of the stacked parameter.
 
 After loading, `process_weights_after_loading` (vLLM's name for the hook) keeps each
 weight's transpose as a view, so that a forward is one `mm` (or `addmm`): `F.linear`
-dispatches linear -> t -> matmul -> mm, ~4 µs of a 9 µs call at batch 1, 21 calls a step
-on a five-layer model. The weights must then be changed in place only (as the loader
-does), never replaced.
+dispatches linear -> t -> matmul -> mm, a large share of a small call at batch 1, where
+a step makes several calls per layer. The weights must then be changed in place only (as
+the loader does), never replaced.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The cos/sin table covers every position up to `max_position_embeddings` and is indexed
 by `positions`, so a forward has no host work and its shapes depend only on the token
-count (DESIGN §4). Frequencies follow transformers' `modeling_rope_utils` for the rope
+count (docs/design.md §4). Frequencies follow transformers' `modeling_rope_utils` for the rope
 types supported here (default, linear, llama3, yarn), so logits match it numerically.
 """
 

@@ -5,7 +5,7 @@ flattened batch with no batch dimension, `compute_logits`, and `load_weights` ta
 Hugging Face names. q/k/v and gate/up are stacked into one projection each at load time,
 and the rotary cos/sin rows are gathered once per forward and shared by every layer,
 to keep the op count per layer low (at batch 1 every op is framework overhead).
-Nothing here synchronises with the host or branches on tensor values (DESIGN §4).
+Nothing here synchronises with the host or branches on tensor values (docs/design.md §4).
 """
 
 from __future__ import annotations

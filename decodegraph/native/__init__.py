@@ -7,13 +7,13 @@
   a prefill of 256 short prompts paid one attention call per request and layer.
 - `decodegraph_cpu::rms_norm` and `fused_add_rms_norm` (vLLM's names): RMSNorm in one
   pass per row (csrc/rms_norm.c); torch's CPU rms_norm is five to seven ops, two of them
-  copies, which made it 16 % of an eager step at batch 256.
+  copies, a large share of an eager step at batch 256 (docs/performance.md).
 - `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.c, bit for bit the
   tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.c): one pass each
   instead of five and three ops per layer.
 
 csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
-extension builder into a cache keyed by the sources, flags and CPU (~8-25 s the first
+extension builder into a cache keyed by the sources, flags and CPU (seconds, the first
 time). Where they cannot be built, `load_cpu_ops()` returns None and callers keep their
 tensor-op paths; one warning per process says why (the build's last error) and names
 DECODEGRAPH_NATIVE_KERNELS=0, which disables them without a build or a log. The attention
@@ -71,7 +71,9 @@ _FLAG_SETS = (
 def _cpu_id() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
-        return next((ln for ln in text.splitlines() if ln.startswith("flags")), platform.processor())
+        return next(
+            (ln for ln in text.splitlines() if ln.startswith("flags")), platform.processor()
+        )
     except OSError:
         return platform.processor()
 
@@ -83,13 +85,11 @@ def _cache_dir() -> Path:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("decodegraph_cpu::paged_attention")
-    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
-          seq_lens, num_reqs, scale, workspace):  # noqa: ANN001, ANN202
+    def _(query, *_):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("decodegraph_cpu::paged_attention_out")
-    def _(query, key, value, k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
-          seq_lens, num_reqs, scale, workspace, out):  # noqa: ANN001, ANN202
+    def _(*_):  # noqa: ANN202
         return None
 
     @torch.library.register_fake("decodegraph_cpu::rms_norm")

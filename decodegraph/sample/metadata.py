@@ -150,7 +150,9 @@ class BatchStaticsCache:
         return statics
 
 
-def _build_statics(requests: list[SamplingRequest], vocab_size: int, device: torch.device) -> _BatchStatics:
+def _build_statics(
+    requests: list[SamplingRequest], vocab_size: int, device: torch.device
+) -> _BatchStatics:
     params = [r.sampling_params for r in requests]
     greedy = [p.is_greedy for p in params]
     all_greedy = all(greedy)

@@ -113,7 +113,8 @@ class InputBatch:
     ) -> InputBatch:
         """Write a scheduled batch into `buffers` (host side first, then one copy to the
         device), padded as the dispatcher's `runtime_mode` and `key` say. Request `i`
-        computes `num_scheduled_tokens[i]` tokens from its `num_computed_tokens` on."""
+        computes `num_scheduled_tokens[i]` tokens from its `num_computed_tokens` on, which
+        this advances past them."""
         b, bs = buffers, buffers.block_size
         counts = num_scheduled_tokens
         num_reqs, num_tokens = len(states), sum(counts)
@@ -146,6 +147,7 @@ class InputBatch:
                 ids[start : start + n] = tokens[first:end]
                 pos[start : start + n] = p
                 slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
+            state.num_computed_tokens = end  # this step computes them
             seq_lens[i] = end
             seq_lens_cpu.append(end)
             b.write_block_row(i, state.req_id, block_ids)
@@ -184,21 +186,14 @@ class InputBatch:
         )
 
     def attention_metadata(self, buffers: InputBuffers) -> AttentionMetadata:
-        """This batch's attention metadata over views of `buffers`."""
-        views = buffers.attention_views(self.num_reqs_after_padding, self.num_tokens_after_padding)
-        return AttentionMetadata(
-            num_reqs=self.num_reqs,
-            num_actual_tokens=self.num_tokens,
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-            uniform_decode=self.uniform_decode,
-            query_start_loc_cpu=self.query_start_loc_cpu,
-            seq_lens_cpu=self.seq_lens_cpu,
-            query_start_loc=views.query_start_loc,
-            seq_lens=views.seq_lens,
-            block_tables=views.block_tables,
-            slot_mapping=views.slot_mapping,
-            seq_lens_host=views.seq_lens_host,
-            num_reqs_host=views.num_reqs_host,
-            query_start_loc_host=views.query_start_loc_host,
-        )
+        """This batch's attention metadata over views of `buffers` (the buffers' object
+        for this shape, its host values set to this batch's)."""
+        md = buffers.attention_metadata(self.num_reqs_after_padding, self.num_tokens_after_padding)
+        md.num_reqs = self.num_reqs
+        md.num_actual_tokens = self.num_tokens
+        md.max_query_len = self.max_query_len
+        md.max_seq_len = self.max_seq_len
+        md.uniform_decode = self.uniform_decode
+        md.query_start_loc_cpu = self.query_start_loc_cpu
+        md.seq_lens_cpu = self.seq_lens_cpu
+        return md

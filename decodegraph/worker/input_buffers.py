@@ -8,22 +8,10 @@ one non-blocking copy; on CPU the host view *is* the buffer.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
-
-class AttentionViews(NamedTuple):
-    """The views of the buffers one step's attention metadata holds."""
-
-    query_start_loc: torch.Tensor  # [padded reqs + 1] int32
-    seq_lens: torch.Tensor  # [padded reqs] int32
-    block_tables: torch.Tensor  # [padded reqs, max_blocks_per_seq] int32
-    slot_mapping: torch.Tensor  # [padded tokens] int64
-    seq_lens_host: torch.Tensor  # [padded reqs] int32, on the host
-    num_reqs_host: torch.Tensor  # [1] int32, on the host
-    query_start_loc_host: torch.Tensor  # [padded reqs + 1] int32, on the host
+from decodegraph.attention.backends.base import AttentionMetadata
 
 
 class PersistentBuffer:
@@ -75,23 +63,33 @@ class InputBuffers:
         # skipping rewrites: a decoding request's table changes once per block).
         self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.row_owner: list[str | None] = [None] * max_num_reqs
-        # (padded reqs, padded tokens) -> attention views (made once per shape).
-        self._views: dict[tuple[int, int], AttentionViews] = {}
+        # (padded reqs, padded tokens) -> the attention metadata over views of these
+        # buffers (made once per shape; a step rewrites its host values).
+        self._metadata: dict[tuple[int, int], AttentionMetadata] = {}
 
-    def attention_views(self, num_reqs: int, num_tokens: int) -> AttentionViews:
-        """Views for a batch padded to `num_reqs` request rows and `num_tokens` tokens."""
-        views = self._views.get((num_reqs, num_tokens))
-        if views is None:
-            views = self._views[(num_reqs, num_tokens)] = AttentionViews(
-                self.query_start_loc.gpu[: num_reqs + 1],
-                self.seq_lens.gpu[:num_reqs],
-                self.block_tables.gpu[:num_reqs],
-                self.slot_mapping.gpu[:num_tokens],
-                self.seq_lens.cpu[:num_reqs],
-                self.num_reqs_host,
-                self.query_start_loc.cpu[: num_reqs + 1],
+    def attention_metadata(self, num_reqs: int, num_tokens: int) -> AttentionMetadata:
+        """The metadata over views for a batch padded to `num_reqs` request rows and
+        `num_tokens` tokens: one object per shape, whose host values each step sets
+        (InputBatch.attention_metadata). A graph's params are copies of it."""
+        md = self._metadata.get((num_reqs, num_tokens))
+        if md is None:
+            md = self._metadata[(num_reqs, num_tokens)] = AttentionMetadata(
+                num_reqs=0,
+                num_actual_tokens=0,
+                max_query_len=0,
+                max_seq_len=0,
+                uniform_decode=False,
+                query_start_loc_cpu=[0],
+                seq_lens_cpu=[],
+                query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
+                seq_lens=self.seq_lens.gpu[:num_reqs],
+                block_tables=self.block_tables.gpu[:num_reqs],
+                slot_mapping=self.slot_mapping.gpu[:num_tokens],
+                seq_lens_host=self.seq_lens.cpu[:num_reqs],
+                num_reqs_host=self.num_reqs_host,
+                query_start_loc_host=self.query_start_loc.cpu[: num_reqs + 1],
             )
-        return views
+        return md
 
     def write_block_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
         n = len(block_ids)

@@ -27,7 +27,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     # Its block table: the KV-cache blocks of its tokens, in order.
     block_ids: list[int]
-    # Tokens in the KV cache before the step being prepared.
+    # Tokens in the KV cache: set from the scheduler's data when the request arrives or
+    # resumes, advanced by the runner as each step computes (InputBatch.prepare).
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     # Prompt then outputs.
@@ -63,6 +64,9 @@ class CachedRequestState:
         self.all_token_ids.append(token_id)
 
 
+_NONE: frozenset[str] = frozenset()
+
+
 class RequestStates:
     """Request id -> `CachedRequestState`, updated once per step."""
 
@@ -79,16 +83,20 @@ class RequestStates:
     def __getitem__(self, req_id: str) -> CachedRequestState:
         return self.states[req_id]
 
-    def update(self, so: SchedulerOutput) -> tuple[list[CachedRequestState], set[str]]:
+    def update(
+        self, so: SchedulerOutput
+    ) -> tuple[list[CachedRequestState], set[str] | frozenset[str]]:
         """Apply one step's scheduler data; returns the batch's states in batch order,
         and the ids whose block tables were replaced (resumed after preemption)."""
         states = self.states
+        cached = so.scheduled_cached_reqs
+        if not (so.finished_req_ids or so.scheduled_new_reqs or cached.req_ids):
+            return [states[req_id] for req_id in so.req_ids], _NONE  # most decode steps
         for req_id in so.finished_req_ids:
             states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             states[new.req_id] = CachedRequestState.from_new_request(new, self.device)
         replaced: set[str] = set()
-        cached = so.scheduled_cached_reqs
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,
             cached.resumed_from_preemption,
@@ -97,10 +105,10 @@ class RequestStates:
             strict=True,
         ):
             state = states[req_id]
-            state.num_computed_tokens = num_computed
             if resumed:
                 state.block_ids = list(new_block_ids)
+                state.num_computed_tokens = num_computed
                 replaced.add(req_id)
-            elif new_block_ids is not None:
+            else:
                 state.block_ids.extend(new_block_ids)
         return [states[req_id] for req_id in so.req_ids], replaced

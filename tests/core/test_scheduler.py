@@ -55,9 +55,9 @@ class KVModel:
             state = self.states[req_id]
             if resumed:
                 state[1] = list(blocks)
-            elif blocks is not None:
+                state[2] = computed
+            else:
                 state[1].extend(blocks)
-            state[2] = computed
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
@@ -71,6 +71,7 @@ class KVModel:
             assert len(table) * bs >= end and 0 not in table
             for pos in range(start, end):
                 self.kv[table[pos // bs]][pos % bs] = tokens[pos]
+            self.states[req_id][2] = end  # what it computed, as the runner counts
             if end < len(tokens):
                 sampled.append(None)
                 continue
@@ -302,11 +303,12 @@ def test_the_runner_gets_plain_data_new_requests_once_then_deltas() -> None:
     assert len(table_a) == 1 and so.scheduled_cached_reqs.req_ids == []
     so, _ = step(sched, model)
     cached = so.scheduled_cached_reqs
-    assert so.scheduled_new_reqs == [] and cached.req_ids == ["a", "b"]
+    assert so.scheduled_new_reqs == [] and cached.req_ids == ["a", "b"] == so.req_ids
     assert cached.num_computed_tokens == [4, 4] and cached.resumed_from_preemption == [False] * 2
-    assert all(blocks is not None and len(blocks) == 1 for blocks in cached.new_block_ids)
+    assert all(len(blocks) == 1 for blocks in cached.new_block_ids)
     so, _ = step(sched, model)
-    assert so.scheduled_cached_reqs.new_block_ids == [None, None]  # room left: no deltas
+    assert so.req_ids == ["a", "b"]
+    assert so.scheduled_cached_reqs.req_ids == []  # room left in their blocks: no deltas
     while not so.preempted_req_ids:
         so, _ = step(sched, model)
     assert so.preempted_req_ids == {"b"}

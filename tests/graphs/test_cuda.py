@@ -103,9 +103,13 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_replay_equals_eager(engine: Callable[[str], LLM], mode: str, bs: int) -> None:
     prompts = _prompts(bs, seed=bs)
     llm = engine(mode)
-    before = sum(n for (_, m), n in llm.llm_engine.runner.graph_runner.mode_counts.items() if m != "NONE")
+    before = sum(
+        n for (_, m), n in llm.llm_engine.runner.graph_runner.mode_counts.items() if m != "NONE"
+    )
     assert _greedy(llm, prompts) == _greedy(engine("NONE"), prompts)
-    after = sum(n for (_, m), n in llm.llm_engine.runner.graph_runner.mode_counts.items() if m != "NONE")
+    after = sum(
+        n for (_, m), n in llm.llm_engine.runner.graph_runner.mode_counts.items() if m != "NONE"
+    )
     if bs <= SIZES[-1]:
         assert after > before, "no graph replayed"
 

@@ -1,5 +1,5 @@
 """The dispatcher, on CPU, for every mode: keys, padding, out-of-range sizes, mixed batches
-and the graph-count table of DESIGN §2 (the real-engine counts are in the e2e tests)."""
+and the graph-count table of docs/design.md §2 (the real-engine counts are in the e2e tests)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _mixed(num_tokens: int, num_reqs: int) -> BatchDescriptor:
 
 
 def graphs_per_mode(mode: CUDAGraphMode, num_sizes: int, num_layers: int) -> int:
-    """DESIGN §2's 'graphs per capture size' column, times the number of sizes."""
+    """docs/design.md §2's 'graphs per capture size' column, times the number of sizes."""
     pieces = num_layers + 1
     per_size = {
         M.NONE: 0,

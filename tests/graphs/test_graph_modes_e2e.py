@@ -214,7 +214,9 @@ def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir
     before = dict(runner.graph_runner.mode_counts)
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=8)
     assert _run(llm, prompts, 6) == _run(eager, prompts, 6)
-    assert runner.graph_runner.mode_counts[("mixed", "PIECEWISE")] > before.get(("mixed", "PIECEWISE"), 0)
+    assert runner.graph_runner.mode_counts[("mixed", "PIECEWISE")] > before.get(
+        ("mixed", "PIECEWISE"), 0
+    )
 
 
 @pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])

@@ -176,7 +176,7 @@ def test_graph_params_are_refreshed_by_group_name(
 ) -> None:
     llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4])
     graph_runner = llm.llm_engine.runner.graph_runner
-    (group, backend), = graph_runner.attn_groups.items()
+    ((group, backend),) = graph_runner.attn_groups.items()
     seen: list[tuple[int, int]] = []
     update = backend.update_graph_params
     monkeypatch.setattr(

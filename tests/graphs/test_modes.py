@@ -1,4 +1,4 @@
-"""Graph modes: parsing, the decode/mixed split, and resolution by support level (DESIGN §2)."""
+"""Graph modes: parsing, the decode/mixed split, and resolution by support level (docs/design.md §2)."""
 
 from __future__ import annotations
 

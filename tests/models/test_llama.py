@@ -110,7 +110,7 @@ def test_half_precision_loads_and_stays_close_to_float32(
 
 
 def test_forward_traces_with_make_fx_and_replays_exactly(checkpoints: dict[str, Path]) -> None:
-    # DESIGN §4: no host sync, shapes from T only, so the forward is a replayable graph.
+    # docs/design.md §4: no host sync, shapes from T only, so the forward is a replayable graph.
     model = load_ours(checkpoints["qwen3"])
     ids = torch.tensor(PROMPT[:5])
     with torch.no_grad():

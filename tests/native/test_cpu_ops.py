@@ -25,7 +25,9 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
     }
 
 
-@pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_embedding"])
+@pytest.mark.parametrize(
+    "op", ["silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_embedding"]
+)
 def test_row_wise_operators_give_the_same_bits_on_any_number_of_threads(
     cpu_ops: object, op: str, restore_threads: None
 ) -> None:

@@ -41,7 +41,10 @@ def test_metadata_statics_are_reused_for_the_same_batch_within_one_cache() -> No
     assert c.statics is not a.statics
     assert c.statics.temperature is not None and c.statics.temperature.shape == (2,)
     # Another runner's cache (or none) shares nothing with this one.
-    assert SamplingMetadata.from_requests(reqs, VOCAB, "cpu", BatchStaticsCache()).statics is not a.statics
+    assert (
+        SamplingMetadata.from_requests(reqs, VOCAB, "cpu", BatchStaticsCache()).statics
+        is not a.statics
+    )
     assert SamplingMetadata.from_requests(reqs, VOCAB, "cpu").statics is not a.statics
 
 
@@ -153,8 +156,12 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
     logits = torch.zeros(1, VOCAB)
     logits[0, 2] = 10.0  # EOS is the best token
     logits[0, 7] = 9.0  # then a stop token
-    before = make_request_state(eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5])
-    reached = make_request_state(eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5, 5])
+    before = make_request_state(
+        eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5]
+    )
+    reached = make_request_state(
+        eos=2, temperature=0.0, min_tokens=2, stop_token_ids=[7], output=[5, 5]
+    )
     out = sample(torch.cat([logits, logits]), [before, reached])
     assert out.sampled_token_ids[1] == 2
     assert out.sampled_token_ids[0] not in (2, 7)
@@ -191,7 +198,9 @@ def test_sampler_does_not_modify_the_logits() -> None:
     logits = torch.randn(2, VOCAB)
     before = logits.clone()
     reqs = [
-        make_request_state("a", temperature=0.9, top_p=0.5, min_p=0.1, output=[1], presence_penalty=1.0),
+        make_request_state(
+            "a", temperature=0.9, top_p=0.5, min_p=0.1, output=[1], presence_penalty=1.0
+        ),
         make_request_state("b", temperature=0.0, min_tokens=3, eos=0, logprobs=2),
     ]
     sample(logits, reqs)

@@ -41,6 +41,8 @@ def test_prepare_writes_tokens_positions_slots_and_pads_a_uniform_key() -> None:
     assert (batch.num_reqs_after_padding, batch.num_tokens_after_padding) == (4, 4)
     assert batch.uniform_decode and batch.sample_rows == [0, 1]
     assert batch.seq_lens_cpu == [6, 1] and batch.max_seq_len == 6
+    # The runner's states now count this step's tokens as computed.
+    assert [s.num_computed_tokens for s in states] == [6, 1]
 
 
 def test_a_partial_prefill_chunk_does_not_sample_and_a_mixed_full_key_spans_every_row() -> None:
@@ -61,7 +63,7 @@ def test_a_partial_prefill_chunk_does_not_sample_and_a_mixed_full_key_spans_ever
 
 def test_a_request_that_moved_rows_gets_its_block_row_rewritten() -> None:
     b = _buffers()
-    a, c = _state("a", [1, 2], 1, [1]), _state("c", [3, 4], 1, [2, 3])
+    a, c = _state("a", [1, 2], 1, [1]), _state("c", [3, 4, 5], 1, [2, 3])
     none = BatchDescriptor(2, 2, True)
     InputBatch.prepare(["a", "c"], [a, c], [1, 1], RuntimeMode.NONE, none, b)
     InputBatch.prepare(["c"], [c], [1], RuntimeMode.NONE, BatchDescriptor(1, 1, True), b)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from decodegraph.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from decodegraph.core.sched_output import NewRequestData, SchedulerOutput
 from decodegraph.engine.arg_utils import EngineArgs
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.platforms import get_platform
@@ -49,19 +49,13 @@ def run_by_hand(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) 
     counts = [len(p) for p in prompts]
     so = SchedulerOutput(ids, counts, sum(counts), scheduled_new_reqs=news)
     outputs: list[list[int]] = [[] for _ in prompts]
-    computed = [0] * len(prompts)
-    for step in range(max_tokens):
+    for _ in range(max_tokens):
         out = runner.execute_model(so)
         assert out.req_ids == ids
         for i, tok in enumerate(out.sampled_token_ids):
             outputs[i].append(tok)
-            computed[i] += so.num_scheduled_tokens[i]
-        if step == max_tokens - 1:
-            break
-        cached = CachedRequestData()
-        for rid, c in zip(ids, computed, strict=True):
-            cached.append(rid, False, None, c)
-        so = SchedulerOutput(ids, [1] * len(ids), len(ids), scheduled_cached_reqs=cached)
+        # Decodes within the blocks handed out: no deltas at all.
+        so = SchedulerOutput(ids, [1] * len(ids), len(ids))
     return outputs
 
 
@@ -92,11 +86,7 @@ def test_finished_requests_leave_the_runner(stories_dir: Path) -> None:
     runner = make_runner(stories_dir)
     run_by_hand(runner, PROMPTS[:2], 3)
     assert len(runner.requests) == 2
-    cached = CachedRequestData()
-    cached.append("1", False, None, 5)
-    runner.execute_model(
-        SchedulerOutput(["1"], [1], 1, scheduled_cached_reqs=cached, finished_req_ids={"0"})
-    )
+    runner.execute_model(SchedulerOutput(["1"], [1], 1, finished_req_ids={"0"}))
     assert "0" not in runner.requests and "1" in runner.requests
 
 

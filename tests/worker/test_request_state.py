@@ -33,10 +33,9 @@ def test_a_new_request_is_learned_once_then_updated_by_deltas() -> None:
     )
     assert a.eos_token_id == 2 and replaced == set()
     a.append_output_token(9)  # what the runner samples, it appends itself
-    cached = CachedRequestData()
-    cached.append("a", False, None, 3)
-    states.update(_step(["a"], [1], scheduled_cached_reqs=cached))
-    assert a.num_computed_tokens == 3 and a.block_ids == [7]
+    a.num_computed_tokens = 3  # what the runner's step computed (InputBatch.prepare)
+    batch, _ = states.update(_step(["a"], [1]))  # no delta: nothing changes
+    assert batch == [a] and a.num_computed_tokens == 3 and a.block_ids == [7]
     cached = CachedRequestData()
     cached.append("a", False, [8], 4)
     states.update(_step(["a"], [1], scheduled_cached_reqs=cached))
@@ -60,12 +59,7 @@ def test_finished_requests_are_dropped_and_the_batch_keeps_scheduler_order() -> 
     states = RequestStates(CPU)
     news = [_new(r, [1], [i + 1]) for i, r in enumerate("abc")]
     states.update(_step(["a", "b", "c"], [1, 1, 1], scheduled_new_reqs=news))
-    cached = CachedRequestData()
-    for r in "ca":
-        cached.append(r, False, None, 1)
-    batch, _ = states.update(
-        _step(["c", "a"], [1, 1], scheduled_cached_reqs=cached, finished_req_ids={"b"})
-    )
+    batch, _ = states.update(_step(["c", "a"], [1, 1], finished_req_ids={"b"}))
     assert [s.req_id for s in batch] == ["c", "a"] and "b" not in states and len(states) == 2
 
 

@@ -10,6 +10,7 @@ host values before each replay (docs/design.md §1, "graph params").
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -54,9 +55,7 @@ class AttentionMetadata:
     # Host copy of query_start_loc (int32, on CPU), a graph's own like seq_lens_host.
     query_start_loc_host: torch.Tensor | None = None
     # numpy views of the three host tensors, made on first use (update_graph_params).
-    _host_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(
-        default=None, repr=False
-    )
+    _host_arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.seq_lens_host is None:
@@ -68,7 +67,7 @@ class AttentionMetadata:
 
     def host_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(seq_lens_host, query_start_loc_host, num_reqs_host) as numpy views: a copy
-        between them costs a tenth of a tensor slice and copy_."""
+        between them costs far less than a tensor slice and copy_."""
         if self._host_arrays is None:
             self._host_arrays = (
                 self.seq_lens_host.numpy(),
@@ -143,11 +142,15 @@ class AttentionBackend:
     def new_graph_params(self, metadata: AttentionMetadata) -> int:
         """Params for a graph about to be captured, holding its capture-time metadata;
         returns their id, which the capture bakes into the graph."""
-        # A graph's own host tensors: their values are baked until the next update.
-        metadata.seq_lens_host = metadata.seq_lens_host.clone()
-        metadata.num_reqs_host = metadata.num_reqs_host.clone()
-        metadata.query_start_loc_host = metadata.query_start_loc_host.clone()
-        metadata._host_arrays = None
+        # A copy with host tensors of its own: their values are baked until the next
+        # update, whatever later steps write into the metadata they were copied from.
+        metadata = dataclasses.replace(
+            metadata,
+            seq_lens_host=metadata.seq_lens_host.clone(),
+            num_reqs_host=metadata.num_reqs_host.clone(),
+            query_start_loc_host=metadata.query_start_loc_host.clone(),
+            _host_arrays=None,
+        )
         self.params.append(metadata)
         return len(self.params) - 1
 

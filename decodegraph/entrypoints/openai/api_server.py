@@ -68,8 +68,7 @@ class GuardMiddleware:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        too_large = error_response(
-            f"Request body is larger than {self.max_body_bytes} bytes.", 413)
+        too_large = error_response(f"Request body is larger than {self.max_body_bytes} bytes.", 413)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await too_large(scope, receive, send)
@@ -146,9 +145,11 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
     app = FastAPI(title="decodegraph OpenAI-compatible server", version=VERSION)
     app.state.async_llm = async_llm
     app.add_middleware(
-        GuardMiddleware, api_key=getattr(args, "api_key", None),
+        GuardMiddleware,
+        api_key=getattr(args, "api_key", None),
         max_body_bytes=getattr(args, "max_request_body_bytes", None)
-        or DEFAULT_MAX_REQUEST_BODY_BYTES)
+        or DEFAULT_MAX_REQUEST_BODY_BYTES,
+    )
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -169,8 +170,9 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         root = str(async_llm.model_config.model)
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len)
-                               for name in served])
+        return ModelList(
+            data=[ModelCard(id=name, root=root, max_model_len=max_model_len) for name in served]
+        )
 
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -189,27 +191,41 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (loopback)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1 routes")
-    parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template: a file path or the template itself")
-    parser.add_argument("--max-request-body-bytes", type=int,
-                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="larger request bodies get a 413")
-    parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes"
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template: a file path or the template itself",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies get a 413",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
     # MODEL is positional, as in `vllm serve MODEL`.
     EngineArgs.add_cli_args(parser, model_positional=True)
     if "--served-model-name" not in parser._option_string_actions:
-        parser.add_argument("--served-model-name", default=None,
-                            help="the model name clients send (default: MODEL)")
+        parser.add_argument(
+            "--served-model-name", default=None, help="the model name clients send (default: MODEL)"
+        )
     return parser
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `serve` to the `decodegraph` CLI; it runs `run_server`."""
-    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
-                                   description="Serve MODEL over an OpenAI-compatible API.")
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description="Serve MODEL over an OpenAI-compatible API.",
+    )
     make_arg_parser(parser)
     parser.set_defaults(func=run_server)
     return parser
@@ -228,11 +244,17 @@ def run_server(args: argparse.Namespace) -> None:
 
     async_llm = build_async_llm(args)
     app = build_app(async_llm, args)
-    logger.info("serving %s on http://%s:%d", async_llm.model_config.served_model_name,
-                args.host, args.port)
+    logger.info(
+        "serving %s on http://%s:%d", async_llm.model_config.served_model_name, args.host, args.port
+    )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_keep_alive=5)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_keep_alive=5,
+        )
     finally:
         async_llm.shutdown()
 

@@ -99,8 +99,15 @@ class _SamplingFields(OpenAIBaseModel):
             "output_kind": output_kind,
         }
         # Only pass what the client set, so SamplingParams' own defaults apply otherwise.
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value

@@ -53,13 +53,15 @@ def load_chat_template(value: str | None) -> str | None:
 class OpenAIServingChat(OpenAIServing):
     """Handler of /v1/chat/completions."""
 
-    def __init__(self, async_llm: AsyncLLM, served_model_names: list[str],
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self, async_llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None
+    ) -> None:
         super().__init__(async_llm, served_model_names)
         self.chat_template = chat_template
 
-    async def create_chat_completion(self, request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
         """Render the conversation, submit it, answer plain or streamed."""
         self.check_model(request.model)
         if request.top_logprobs and not request.logprobs:
@@ -70,8 +72,9 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.submit(request_id, [prompt], params)
         outputs = merge_streams(streams)
         if request.stream:
-            return StreamingResponse(self._stream(request, request_id, outputs),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(request, request_id, outputs), media_type="text/event-stream"
+            )
         return await until_disconnect(raw_request, self._full(request, request_id, outputs))
 
     def _render(self, request: ChatCompletionRequest) -> str:
@@ -83,7 +86,10 @@ class OpenAIServingChat(OpenAIServing):
                     if part.type != "text" or part.text is None:
                         raise OpenAIError(
                             f"messages[{k}].content: only text parts are supported, "
-                            f"got type {part.type!r}", 400, "messages")
+                            f"got type {part.type!r}",
+                            400,
+                            "messages",
+                        )
                     parts.append(part.text)
                 content = "\n".join(parts)
             else:
@@ -91,16 +97,20 @@ class OpenAIServingChat(OpenAIServing):
             messages.append({"role": m.role, "content": content})
         try:
             return self.async_llm.engine.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt,
-                chat_template=self.chat_template)
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=self.chat_template,
+            )
         except ValueError as e:
             # The engine's message for a tokenizer without a template; say how to fix it.
             raise OpenAIError(
                 f"messages: this model has no chat template ({e}); start the server with "
-                "--chat-template FILE_OR_STRING", 400, "messages") from None
+                "--chat-template FILE_OR_STRING",
+                400,
+                "messages",
+            ) from None
         except Exception as e:  # noqa: BLE001 - Jinja errors (raise_exception, bad roles)
-            raise OpenAIError(f"messages: the chat template failed: {e}", 400,
-                              "messages") from None
+            raise OpenAIError(f"messages: the chat template failed: {e}", 400, "messages") from None
 
     def _logprobs(self, c: CompletionOutput, top_n: int) -> ChatChoiceLogprobs | None:
         if c.logprobs is None:
@@ -109,18 +119,33 @@ class OpenAIServingChat(OpenAIServing):
         for token_id, top in zip(c.token_ids, c.logprobs, strict=False):
             sampled = top.get(token_id)
             text = self.token_text(token_id, sampled)
-            ranked = sorted(top.items(), key=lambda kv: (
-                kv[1].rank if kv[1].rank is not None else 0, -kv[1].logprob))[:top_n]
-            content.append(ChatLogprobToken(
-                token=text, logprob=sampled.logprob if sampled is not None else float("-inf"),
-                bytes=list(text.encode()),
-                top_logprobs=[ChatTopLogprob(token=(t := self.token_text(tid, lp)),
-                                             logprob=lp.logprob, bytes=list(t.encode()))
-                              for tid, lp in ranked]))
+            ranked = sorted(
+                top.items(),
+                key=lambda kv: (kv[1].rank if kv[1].rank is not None else 0, -kv[1].logprob),
+            )[:top_n]
+            content.append(
+                ChatLogprobToken(
+                    token=text,
+                    logprob=sampled.logprob if sampled is not None else float("-inf"),
+                    bytes=list(text.encode()),
+                    top_logprobs=[
+                        ChatTopLogprob(
+                            token=(t := self.token_text(tid, lp)),
+                            logprob=lp.logprob,
+                            bytes=list(t.encode()),
+                        )
+                        for tid, lp in ranked
+                    ],
+                )
+            )
         return ChatChoiceLogprobs(content=content)
 
-    async def _full(self, request: ChatCompletionRequest, request_id: str,
-                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> ChatCompletionResponse:
+    async def _full(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> ChatCompletionResponse:
         n = request.n
         texts = [""] * n
         lps: list[ChatChoiceLogprobs | None] = [None] * n
@@ -145,28 +170,54 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError(str(e), 503) from None
         completion_tokens = sum(num_tokens)
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name,
-            choices=[ChatCompletionResponseChoice(
-                index=k, message=ChatResponseMessage(content=texts[k]), logprobs=lps[k],
-                finish_reason=finish[k][0], stop_reason=finish[k][1]) for k in range(n)],
-            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens))
+            id=request_id,
+            model=self.model_name,
+            choices=[
+                ChatCompletionResponseChoice(
+                    index=k,
+                    message=ChatResponseMessage(content=texts[k]),
+                    logprobs=lps[k],
+                    finish_reason=finish[k][0],
+                    stop_reason=finish[k][1],
+                )
+                for k in range(n)
+            ],
+            usage=UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            ),
+        )
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         top_n = request.top_logprobs or 0
 
-        def chunk(choices: list[ChatCompletionStreamChoice],
-                  usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created,
-                                                    model=self.model_name, choices=choices,
-                                                    usage=usage))
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
 
         # The role comes first, in a chunk of its own per choice (as OpenAI sends it).
         for k in range(request.n):
-            yield chunk([ChatCompletionStreamChoice(
-                index=k, delta=DeltaMessage(role="assistant", content=""))])
+            yield chunk(
+                [
+                    ChatCompletionStreamChoice(
+                        index=k, delta=DeltaMessage(role="assistant", content="")
+                    )
+                ]
+            )
         prompt_tokens = 0
         completion_tokens = 0
         try:
@@ -176,10 +227,17 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
-                    yield chunk([ChatCompletionStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text),
-                        logprobs=self._logprobs(c, top_n) if request.logprobs else None,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    yield chunk(
+                        [
+                            ChatCompletionStreamChoice(
+                                index=c.index,
+                                delta=DeltaMessage(content=c.text),
+                                logprobs=self._logprobs(c, top_n) if request.logprobs else None,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        ]
+                    )
         except EngineDeadError as e:
             yield sse(error_body(str(e), 503))
             yield SSE_DONE
@@ -187,7 +245,12 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await outputs.aclose()
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
-                                      completion_tokens=completion_tokens,
-                                      total_tokens=prompt_tokens + completion_tokens))
+            yield chunk(
+                [],
+                UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                ),
+            )
         yield SSE_DONE

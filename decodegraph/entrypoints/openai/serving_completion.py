@@ -50,26 +50,27 @@ class _Choice:
 class OpenAIServingCompletion(OpenAIServing):
     """Handler of /v1/completions."""
 
-    async def create_completion(self, request: CompletionRequest,
-                                raw_request: Request) -> Response:
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """Validate, submit one engine request per prompt, answer plain or streamed."""
         self.check_model(request.model)
         prompts = self._prompts(request.prompt)
         if request.suffix:
             raise OpenAIError("suffix: is not supported", 400, "suffix")
         if request.echo and request.logprobs is not None:
-            raise OpenAIError("echo: prompt logprobs (echo with logprobs) are not supported",
-                              400, "echo")
+            raise OpenAIError(
+                "echo: prompt logprobs (echo with logprobs) are not supported", 400, "echo"
+            )
         params = self.build_params(request.to_sampling_params, RequestOutputKind.DELTA)
         request_id = f"cmpl-{random_uuid()}"
         streams = await self.submit(request_id, prompts, params)
         outputs = merge_streams(streams)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, prompts, outputs),
-                media_type="text/event-stream")
-        return await until_disconnect(raw_request,
-                                      self._full(request, request_id, prompts, outputs))
+                self._stream(request, request_id, prompts, outputs), media_type="text/event-stream"
+            )
+        return await until_disconnect(
+            raw_request, self._full(request, request_id, prompts, outputs)
+        )
 
     @staticmethod
     def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -105,8 +106,14 @@ class OpenAIServingCompletion(OpenAIServing):
             lp.text_offset.append(choice.offset)
             choice.offset += len(text)
 
-    def _update(self, choice: _Choice, c: CompletionOutput, prompt: str | list[int],
-                out: RequestOutput, echo: bool) -> str:
+    def _update(
+        self,
+        choice: _Choice,
+        c: CompletionOutput,
+        prompt: str | list[int],
+        out: RequestOutput,
+        echo: bool,
+    ) -> str:
         """Fold one delta into a choice; return the text this delta adds."""
         delta = c.text
         if not choice.started:
@@ -123,9 +130,13 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.stop_reason = c.stop_reason
         return delta
 
-    async def _full(self, request: CompletionRequest, request_id: str,
-                    prompts: list[str | list[int]],
-                    outputs: AsyncIterator[tuple[int, RequestOutput]]) -> CompletionResponse:
+    async def _full(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[str | list[int]],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> CompletionResponse:
         n = request.n
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_tokens = [0] * len(prompts)
@@ -138,18 +149,32 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(str(e), 503) from None
         completion_tokens = sum(ch.num_tokens for ch in choices)
         return CompletionResponse(
-            id=request_id, model=self.model_name,
-            choices=[CompletionResponseChoice(index=k, text=ch.text, logprobs=ch.logprobs,
-                                              finish_reason=ch.finish_reason,
-                                              stop_reason=ch.stop_reason)
-                     for k, ch in enumerate(choices)],
-            usage=UsageInfo(prompt_tokens=sum(prompt_tokens),
-                            completion_tokens=completion_tokens,
-                            total_tokens=sum(prompt_tokens) + completion_tokens))
+            id=request_id,
+            model=self.model_name,
+            choices=[
+                CompletionResponseChoice(
+                    index=k,
+                    text=ch.text,
+                    logprobs=ch.logprobs,
+                    finish_reason=ch.finish_reason,
+                    stop_reason=ch.stop_reason,
+                )
+                for k, ch in enumerate(choices)
+            ],
+            usage=UsageInfo(
+                prompt_tokens=sum(prompt_tokens),
+                completion_tokens=completion_tokens,
+                total_tokens=sum(prompt_tokens) + completion_tokens,
+            ),
+        )
 
-    async def _stream(self, request: CompletionRequest, request_id: str,
-                      prompts: list[str | list[int]],
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[str | list[int]],
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[str]:
         n = request.n
         created = int(time.time())
         choices = [_Choice() for _ in range(len(prompts) * n)]
@@ -170,12 +195,25 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs = CompletionLogProbs(
                             text_offset=lp.text_offset[num_lp:],
                             token_logprobs=lp.token_logprobs[num_lp:],
-                            tokens=lp.tokens[num_lp:], top_logprobs=lp.top_logprobs[num_lp:])
-                    yield sse(CompletionStreamResponse(
-                        id=request_id, created=created, model=self.model_name,
-                        choices=[CompletionResponseChoice(
-                            index=k, text=delta, logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                            tokens=lp.tokens[num_lp:],
+                            top_logprobs=lp.top_logprobs[num_lp:],
+                        )
+                    yield sse(
+                        CompletionStreamResponse(
+                            id=request_id,
+                            created=created,
+                            model=self.model_name,
+                            choices=[
+                                CompletionResponseChoice(
+                                    index=k,
+                                    text=delta,
+                                    logprobs=logprobs,
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                )
+                            ],
+                        )
+                    )
         except EngineDeadError as e:
             yield sse(error_body(str(e), 503))
             yield SSE_DONE
@@ -185,9 +223,17 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         if include_usage:
             completion_tokens = sum(ch.num_tokens for ch in choices)
-            yield sse(CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[],
-                usage=UsageInfo(prompt_tokens=sum(prompt_tokens),
-                                completion_tokens=completion_tokens,
-                                total_tokens=sum(prompt_tokens) + completion_tokens)))
+            yield sse(
+                CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=UsageInfo(
+                        prompt_tokens=sum(prompt_tokens),
+                        completion_tokens=completion_tokens,
+                        total_tokens=sum(prompt_tokens) + completion_tokens,
+                    ),
+                )
+            )
         yield SSE_DONE

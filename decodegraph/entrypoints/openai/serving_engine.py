@@ -51,8 +51,9 @@ class OpenAIError(Exception):
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error body as a dict."""
-    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "Error"), param=param,
-                     code=status)
+    info = ErrorInfo(
+        message=message, type=_ERROR_TYPES.get(status, "Error"), param=param, code=status
+    )
     return ErrorResponse(error=info).model_dump()
 
 
@@ -99,8 +100,9 @@ class OpenAIServing:
         except (ValueError, TypeError) as e:
             raise OpenAIError.from_value_error(e) from None
 
-    async def submit(self, request_id: str, prompts: list[str | list[int]],
-                     params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
+    async def submit(
+        self, request_id: str, prompts: list[str | list[int]], params: SamplingParams
+    ) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if one is rejected, abort the others."""
         streams = []
         try:

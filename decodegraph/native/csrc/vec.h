@@ -44,11 +44,9 @@ static inline __mmask16 first_lanes(int64_t n)
 /* Flush-to-zero and denormals-are-zero on the calling thread (MXCSR), for the span of a
  * kernel; returns the previous mode for restore_fp_mode. A softmax weight of a score far
  * below its row's maximum times a small V value is a denormal, and x86 takes a
- * microcode assist of some hundred cycles for every instruction that reads or writes
- * one. On stories260K at 256 requests one layer's attention took 1.43 ms instead of
- * 0.63 at step 150; over the 200 steps of that run, attention took 685-697 ms instead of
- * 633-638 (that layer: 161 -> 127 ms). The values flushed are below 2^-126, in sums
- * whose largest term is 1. */
+ * microcode assist for every instruction that reads or writes one (stories260K at 256
+ * requests has such a layer: docs/performance.md). The values flushed are below 2^-126,
+ * in sums whose largest term is 1. */
 static unsigned int flush_denormals(void)
 {
     const unsigned int saved = _mm_getcsr();

@@ -33,12 +33,16 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
     from decodegraph.engine.arg_utils import EngineArgs
     from decodegraph.engine.llm_engine import LLMEngine
 
-    wanted = {"model": str(model_dir), "served_model_name": MODEL_NAME, "enforce_eager": True,
-              "num_gpu_blocks_override": 512, "seed": 0}
+    wanted = {
+        "model": str(model_dir),
+        "served_model_name": MODEL_NAME,
+        "enforce_eager": True,
+        "num_gpu_blocks_override": 512,
+        "seed": 0,
+    }
     wanted.update(overrides)
     known = {f.name for f in dataclasses.fields(EngineArgs)}
-    return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in wanted.items()
-                                                    if k in known}))
+    return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in wanted.items() if k in known}))
 
 
 @dataclass
@@ -53,12 +57,14 @@ class RunningServer:
     api_key: str | None = None
 
     def client(self, api_key: str = "unused", **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0,
-                             timeout=60, **kw)
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kw
+        )
 
     def async_client(self, api_key: str = "unused", **kw: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key,
-                                  max_retries=0, timeout=60, **kw)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kw
+        )
 
     def wait_idle(self, timeout: float = 20.0) -> Any:
         """Wait until the engine holds no request; return its stats."""
@@ -80,8 +86,9 @@ class RunningServer:
 def start_server(engine: Any, **args: Any) -> RunningServer:
     """Serve `engine` on a free loopback port; return once it accepts connections."""
     async_llm = AsyncLLM(engine)
-    namespace = argparse.Namespace(**{"served_model_name": MODEL_NAME, "api_key": None,
-                                      "chat_template": None, **args})
+    namespace = argparse.Namespace(
+        **{"served_model_name": MODEL_NAME, "api_key": None, "chat_template": None, **args}
+    )
     app = build_app(async_llm, namespace)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -89,8 +96,9 @@ def start_server(engine: Any, **args: Any) -> RunningServer:
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name=f"uvicorn-{port}")
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"uvicorn-{port}"
+    )
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -98,8 +106,14 @@ def start_server(engine: Any, **args: Any) -> RunningServer:
             async_llm.shutdown()
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", async_llm, server, thread,
-                         namespace.served_model_name, namespace.api_key)
+    return RunningServer(
+        f"http://127.0.0.1:{port}",
+        async_llm,
+        server,
+        thread,
+        namespace.served_model_name,
+        namespace.api_key,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -113,8 +127,9 @@ def server(stories_dir: Path) -> Iterator[RunningServer]:
 @pytest.fixture(scope="session")
 def guarded_server(stories_dir: Path) -> Iterator[RunningServer]:
     """A server with an API key, no chat template and a small body limit."""
-    running = start_server(make_engine(stories_dir), api_key=API_KEY,
-                           max_request_body_bytes=64 * 1024)
+    running = start_server(
+        make_engine(stories_dir), api_key=API_KEY, max_request_body_bytes=64 * 1024
+    )
     yield running
     running.stop()
 
@@ -122,8 +137,7 @@ def guarded_server(stories_dir: Path) -> Iterator[RunningServer]:
 @pytest.fixture(scope="session")
 def fuzz_server(stories_dir: Path) -> Iterator[RunningServer]:
     """A server with a chat template and a 64-token context, so fuzzed requests end fast."""
-    running = start_server(make_engine(stories_dir, max_model_len=64),
-                           chat_template=CHAT_TEMPLATE)
+    running = start_server(make_engine(stories_dir, max_model_len=64), chat_template=CHAT_TEMPLATE)
     yield running
     running.stop()
 

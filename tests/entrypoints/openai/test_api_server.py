@@ -46,21 +46,35 @@ def test_metrics_count_tokens_latencies_and_graph_runs(server, client: openai.Op
             time.sleep(0.02)
 
     before = scrape()
-    out = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=7,
-                                    temperature=0.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=7,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     after = scrape()
-    assert _sample(after, "decodegraph:generation_tokens_total") - _sample(
-        before, "decodegraph:generation_tokens_total") == 7
-    assert _sample(after, "decodegraph:prompt_tokens_total") - _sample(
-        before, "decodegraph:prompt_tokens_total") == out.usage.prompt_tokens
-    assert _sample(after, "decodegraph:time_to_first_token_seconds_count") - _sample(
-        before, "decodegraph:time_to_first_token_seconds_count") == 1
+    assert (
+        _sample(after, "decodegraph:generation_tokens_total")
+        - _sample(before, "decodegraph:generation_tokens_total")
+        == 7
+    )
+    assert (
+        _sample(after, "decodegraph:prompt_tokens_total")
+        - _sample(before, "decodegraph:prompt_tokens_total")
+        == out.usage.prompt_tokens
+    )
+    assert (
+        _sample(after, "decodegraph:time_to_first_token_seconds_count")
+        - _sample(before, "decodegraph:time_to_first_token_seconds_count")
+        == 1
+    )
     assert _sample(after, "decodegraph:inter_token_latency_seconds_count") > _sample(
-        before, "decodegraph:inter_token_latency_seconds_count")
+        before, "decodegraph:inter_token_latency_seconds_count"
+    )
     assert _sample(after, "decodegraph:num_requests_running") == 0
     assert _sample(after, "decodegraph:num_requests_waiting") == 0
     assert 0.0 <= _sample(after, "decodegraph:kv_cache_usage_perc") <= 1.0
-    runs = [line for line in after.splitlines()
-            if line.startswith("decodegraph:graph_runs_total{")]
+    runs = [line for line in after.splitlines() if line.startswith("decodegraph:graph_runs_total{")]
     assert runs and sum(float(line.rsplit(" ", 1)[1]) for line in runs) > 0
     assert all('mode="' in line for line in runs)

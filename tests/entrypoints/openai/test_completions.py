@@ -15,8 +15,13 @@ def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
 
 
 def test_greedy_completion_has_text_usage_and_length_finish(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12,
-                                    temperature=0.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert len(out.choices) == 1
     choice = out.choices[0]
     assert choice.text
@@ -28,16 +33,29 @@ def test_greedy_completion_has_text_usage_and_length_finish(client: openai.OpenA
 
 
 def test_greedy_completion_is_deterministic(client: openai.OpenAI) -> None:
-    texts = {client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
-                                       temperature=0.0).choices[0].text for _ in range(2)}
+    texts = {
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=0.0)
+        .choices[0]
+        .text
+        for _ in range(2)
+    }
     assert len(texts) == 1
 
 
 def test_same_seed_gives_same_text_and_other_seed_differs(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24,
-                                         temperature=1.0, seed=seed,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt=PROMPT,
+                max_tokens=24,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -45,71 +63,109 @@ def test_same_seed_gives_same_text_and_other_seed_differs(client: openai.OpenAI)
 
 
 def test_streamed_text_equals_plain_text(client: openai.OpenAI) -> None:
-    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20,
-                                      temperature=0.0)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20,
-                                            temperature=0.0, stream=True))
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0.0
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0.0, stream=True
+        )
+    )
     assert len(chunks) > 1
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
 
 
 def test_stream_include_usage_adds_a_final_usage_chunk(client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
-                                            temperature=0.0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_n_gives_n_choices_each_with_its_own_index(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, n=3,
-                                    temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=10,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     assert out.usage.completion_tokens == 30
     assert len({c.text for c in out.choices}) > 1
 
 
 def test_streamed_n_reaches_every_index(client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6,
-                                            n=2, temperature=1.0, seed=3, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3, stream=True
+        )
+    )
     finished = {c.choices[0].index for c in chunks if c.choices[0].finish_reason}
     assert finished == {0, 1}
 
 
-def test_list_of_prompts_and_token_ids_map_to_choice_indices(client: openai.OpenAI,
-                                                             server) -> None:
+def test_list_of_prompts_and_token_ids_map_to_choice_indices(client: openai.OpenAI, server) -> None:
     ids = server.async_llm.tokenizer.encode(PROMPT)
-    single = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
-                                       temperature=0.0).choices[0].text
-    out = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "The cat"],
-                                    max_tokens=8, temperature=0.0, n=2)
+    single = (
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0)
+        .choices[0]
+        .text
+    )
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=[PROMPT, "The cat"], max_tokens=8, temperature=0.0, n=2
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert out.choices[0].text == out.choices[1].text == single
-    from_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8,
-                                         temperature=0.0)
+    from_ids = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0.0
+    )
     assert from_ids.choices[0].text == single
-    two = client.completions.create(model=MODEL_NAME, prompt=[ids, ids], max_tokens=8,
-                                    temperature=0.0)
+    two = client.completions.create(
+        model=MODEL_NAME, prompt=[ids, ids], max_tokens=8, temperature=0.0
+    )
     assert [c.text for c in two.choices] == [single, single]
 
 
 def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
-    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
-                                      temperature=0.0).choices[0].text
-    echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
-                                       temperature=0.0, echo=True).choices[0].text
+    plain = (
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0)
+        .choices[0]
+        .text
+    )
+    echoed = (
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0.0, echo=True
+        )
+        .choices[0]
+        .text
+    )
     assert echoed == PROMPT + plain
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
-    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40,
-                                     temperature=0.0).choices[0].text
+    full = (
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0.0)
+        .choices[0]
+        .text
+    )
     stop = full.strip().split()[2]
-    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40,
-                                    temperature=0.0, stop=[stop])
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0.0, stop=[stop]
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "stop"
     assert stop not in choice.text
@@ -117,11 +173,18 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_logprobs_have_one_entry_per_token_with_top_alternatives(client: openai.OpenAI,
-                                                                 stream: bool) -> None:
-    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6,
-                                     temperature=0.0, logprobs=3, stream=stream,
-                                     extra_body={"ignore_eos": True})
+def test_logprobs_have_one_entry_per_token_with_top_alternatives(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    resp = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=3,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
     choices = [c.choices[0] for c in resp] if stream else resp.choices
     tokens, token_lps, tops, offsets, text = [], [], [], [], ""
     for choice in choices:

@@ -44,9 +44,14 @@ def _offline(engine, prompts: list[str], max_tokens: int) -> dict[str, str]:
 
 
 async def _stream_one(client: openai.AsyncOpenAI, prompt: str) -> tuple[str, str, int]:
-    stream = await client.completions.create(model=MODEL_NAME, prompt=prompt,
-                                             max_tokens=MAX_TOKENS, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True})
+    stream = await client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish, tokens = "", "", 0
     async for chunk in stream:
         if chunk.choices:
@@ -76,7 +81,8 @@ async def _run_clients(server) -> list[tuple[str, str, str, int]]:
 
 
 def test_64_streaming_clients_all_complete_match_offline_and_free_every_block(
-        server, engine_factory) -> None:
+    server, engine_factory
+) -> None:
     start = time.monotonic()
     results = asyncio.run(_run_clients(server))
     elapsed = time.monotonic() - start
@@ -92,8 +98,14 @@ def test_64_streaming_clients_all_complete_match_offline_and_free_every_block(
 
 
 async def _disconnect_mid_stream(server, n: int) -> None:
-    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400,
-            "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
 
         async def read_a_little() -> None:

@@ -33,8 +33,13 @@ def test_no_input_yields_a_server_error(fuzz_server, mode: GenerationMode) -> No
             continue  # GET routes without parameters have no invalid input to make
 
         @given(case=operation.as_strategy(generation_mode=mode))
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def check(case: schemathesis.Case) -> None:
             response = case.call(timeout=60)
             assert response.status_code < 500, (case.as_curl_command(), response.text)
