@@ -24,8 +24,10 @@ class SamplingRequest(Protocol):
     sampling_params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
     eos_token_id: int | None
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
 
     @property
     def num_output_tokens(self) -> int: ...

@@ -30,8 +30,7 @@ class CachedRequestState:
     # Tokens in the KV cache: set from the scheduler's data when the request arrives or
     # resumes, advanced by the runner as each step computes (InputBatch.prepare).
     num_computed_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    # Prompt then outputs.
+    # Prompt then outputs (one list: a sampled token is one append).
     all_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
@@ -56,11 +55,15 @@ class CachedRequestState:
         return len(self.all_token_ids)
 
     @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (a copy)."""
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
 
