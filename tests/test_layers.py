@@ -13,62 +13,21 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "decodegraph"
 
 # Layer -> the layers it must not import at run time (type-only imports are fine).
+TOP = {"entrypoints", "engine"}
+ABOVE_MODEL = TOP | {"core", "worker"}
 FORBIDDEN = {
-    "core": {
-        "engine",
-        "entrypoints",
-        "worker",
-        "graphs",
-        "attention",
-        "models",
-        "layers",
-        "sample",
-        "platforms",
-        "native",
-    },
-    "worker": {"engine", "entrypoints"},
-    "graphs": {"engine", "entrypoints", "core", "worker", "sample", "models"},
-    "attention": {"engine", "entrypoints", "core", "worker", "graphs", "sample", "models"},
-    "sample": {
-        "engine",
-        "entrypoints",
-        "core",
-        "worker",
-        "graphs",
-        "attention",
-        "models",
-        "platforms",
-    },
-    "models": {"engine", "entrypoints", "core", "worker", "graphs", "sample"},
-    "layers": {"engine", "entrypoints", "core", "worker", "graphs", "sample", "models"},
-    "platforms": {
-        "engine",
-        "entrypoints",
-        "core",
-        "worker",
-        "graphs",
-        "attention",
-        "models",
-        "layers",
-        "sample",
-    },
-    "native": {
-        "engine",
-        "entrypoints",
-        "core",
-        "worker",
-        "graphs",
-        "attention",
-        "models",
-        "layers",
-        "sample",
-        "platforms",
-    },
+    "core": TOP | {"worker", "graphs", "attention", "models", "layers", "sample", "platforms"},
+    "worker": TOP,
+    "graphs": ABOVE_MODEL | {"sample", "models"},
+    "attention": ABOVE_MODEL | {"graphs", "sample", "models"},
+    "sample": ABOVE_MODEL | {"graphs", "attention", "models", "platforms"},
+    "models": ABOVE_MODEL | {"graphs", "sample"},
+    "layers": ABOVE_MODEL | {"graphs", "sample", "models"},
+    "platforms": ABOVE_MODEL | {"graphs", "attention", "models", "layers", "sample"},
+    "native": ABOVE_MODEL | {"graphs", "attention", "models", "layers", "sample", "platforms"},
     # Shared modules both sides of a boundary import.
-    "request": {"engine", "entrypoints", "core", "worker", "graphs"},
-    "forward_context": {"engine", "entrypoints", "core", "worker", "graphs", "attention"},
-    "sampling_params": {"engine", "entrypoints", "core", "worker", "graphs", "attention"},
-    "outputs": {"engine", "entrypoints", "core", "worker", "graphs", "attention"},
+    "request": ABOVE_MODEL | {"graphs"},
+    **dict.fromkeys(("forward_context", "sampling_params", "outputs"), ABOVE_MODEL | {"graphs"}),
 }
 
 
