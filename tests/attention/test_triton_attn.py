@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from decodegraph.attention.backends.base import AttentionCGSupport
+from tests.utils.requests import greedy
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DIR = Path(__file__).resolve().parents[2] / ".triton"
@@ -136,9 +137,8 @@ else:
         batch that fits a graph (a prefill beside decodes, padded), then padded decode
         graphs; greedy ids equal the CPU backend's eager ones."""
         from decodegraph.entrypoints.llm import LLM
-        from decodegraph.sampling_params import SamplingParams
 
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        params = greedy(6)
         prompts = [[1, 30], [1, 31, 32], [1]]
         monkeypatch.setenv("DECODEGRAPH_ATTENTION_BACKEND", "CPU_TORCH")
         eager = LLM(str(stories_dir), max_num_seqs=4, enforce_eager=True)

@@ -89,9 +89,9 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps_without_changing_ids(
 ) -> None:
     engine = make_engine(stories_dir, max_num_batched_tokens=16, max_num_seqs=8)
     long = prompt(70)
-    outs, _, steps = run(engine, [long], SamplingParams(temperature=0.0, max_tokens=8))
+    outs, _, steps = run(engine, [long], greedy(8, ignore_eos=False))
     assert steps == 5 + 7  # ceil(70 / 16) prefill chunks, the last samples; 7 decodes
-    assert ids_of(outs) == reference_ids(ref, [long], SamplingParams(temperature=0, max_tokens=8))
+    assert ids_of(outs) == reference_ids(ref, [long], greedy(8, ignore_eos=False))
     # Several long prompts at once: chunks of prefills share steps with decodes.
     prompts = [prompt(n, off) for n, off in ((70, 0), (5, 3), (41, 7), (23, 11))]
     assert ids_of(run(engine, prompts)[0]) == reference_ids(ref, prompts)
@@ -115,7 +115,7 @@ def test_large_decode_batches_beside_one_token_prefill_chunks_do_not_change_ids(
 
     monkeypatch.setattr(runner, "_prepare_inputs", spy)
     prompts = [prompt(2 + i % 3, i) for i in range(40)] + [prompt(30, 5)]
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    params = greedy(40, ignore_eos=False)
     assert ids_of(run(engine, prompts, params)[0]) == reference_ids(ref, prompts, params)
     assert batches.count((41, 41)) >= 20
     assert_all_blocks_free(engine)
@@ -127,7 +127,7 @@ def test_two_intra_op_threads_give_the_ids_of_one(
     """The prefill step of 64 prompts is large enough for the attention operator to split
     its requests, and the row-wise operators their rows, over two threads: same ids."""
     prompts = [prompt(20 + i % 13, i) for i in range(64)]
-    params = SamplingParams(temperature=0.0, max_tokens=24)
+    params = greedy(24, ignore_eos=False)
     ids = []
     for n in (1, 2):
         monkeypatch.setenv("DECODEGRAPH_CPU_THREADS", str(n))
@@ -152,7 +152,7 @@ def test_preemption_under_a_tiny_kv_cache_does_not_change_ids(
     engine = make_engine(stories_dir, max_model_len=128, **budget)
     assert engine.get_stats().num_blocks == 9
     prompts = [prompt(n, off) for n, off in ((20, 0), (33, 2), (9, 5), (27, 9), (40, 13), (15, 1))]
-    params = SamplingParams(temperature=0.0, max_tokens=40)
+    params = greedy(40, ignore_eos=False)
     outs, requests, _ = run(engine, prompts, params)
     assert sum(r.num_preemptions for r in requests) > 0
     assert requests[0].num_preemptions == 0  # the victim is always the latest arrival
@@ -188,7 +188,7 @@ def test_chunked_prefill_preemption_and_prefix_hits_together_do_not_change_ids(
             prompts.append(prompt(rng.randint(2, 60), rng.randint(0, 30)))
         max_tokens = rng.randint(5, 50)
         params.append(
-            SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            greedy(max_tokens, ignore_eos=False)
             if i % 2
             else SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens)
         )
@@ -303,8 +303,8 @@ def eos_llm(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, list[int], i
     root = tmp_path_factory.mktemp("eos")
     kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 128}
     plain = LLM(str(make_checkpoint(root / "plain", "llama-gqa")), **kwargs)
-    greedy = plain.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)
-    ids = greedy[0].outputs[0].token_ids
+    outs = plain.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)
+    ids = outs[0].outputs[0].token_ids
     eos = next(t for t in ids[3:] if t != 1)
     llm = LLM(str(make_checkpoint(root / "eos", "llama-gqa", eos_token_id=eos)), **kwargs)
     return llm, ids, eos
@@ -314,15 +314,15 @@ EOS_PROMPT = [1, 17, 42, 99, 5, 63]
 
 
 def test_eos_finishes_with_stop_and_no_stop_reason(eos_llm: tuple[LLM, list[int], int]) -> None:
-    llm, greedy, eos = eos_llm
+    llm, greedy_ids, eos = eos_llm
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == greedy[: greedy.index(eos) + 1]
+    assert out.token_ids == greedy_ids[: greedy_ids.index(eos) + 1]
     assert out.finish_reason == "stop" and out.stop_reason is None
 
 
 def test_min_tokens_suppresses_eos_until_reached(eos_llm: tuple[LLM, list[int], int]) -> None:
-    llm, greedy, eos = eos_llm
-    min_tokens = greedy.index(eos) + 6
+    llm, greedy_ids, eos = eos_llm
+    min_tokens = greedy_ids.index(eos) + 6
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=min_tokens)
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, params, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) >= min_tokens
@@ -330,10 +330,10 @@ def test_min_tokens_suppresses_eos_until_reached(eos_llm: tuple[LLM, list[int], 
 
 
 def test_ignore_eos_runs_to_max_tokens(eos_llm: tuple[LLM, list[int], int]) -> None:
-    llm, greedy, eos = eos_llm
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm, greedy_ids, eos = eos_llm
+    params = greedy(24)
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == greedy  # the same ids as the checkpoint without an EOS there
+    assert out.token_ids == greedy_ids  # the same ids as the checkpoint without an EOS there
     assert out.finish_reason == "length"
 
 
@@ -341,19 +341,19 @@ def test_every_eos_id_of_a_list_stops_generation(
     eos_llm: tuple[LLM, list[int], int], tmp_path: Path
 ) -> None:
     # Llama 3.x and Qwen2 instruct models list several EOS ids (e.g. <|eot_id|> second).
-    _, greedy, eos = eos_llm
+    _, greedy_ids, eos = eos_llm
     path = make_checkpoint(tmp_path, "llama-gqa", eos_token_id=[127, eos])
     llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == greedy[: greedy.index(eos) + 1]
+    assert out.token_ids == greedy_ids[: greedy_ids.index(eos) + 1]
     assert out.finish_reason == "stop"
-    min_tokens = greedy.index(eos) + 6
+    min_tokens = greedy_ids.index(eos) + 6
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=min_tokens)
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, params, use_tqdm=False)[0].outputs[0]
     assert eos not in out.token_ids[:min_tokens]
-    ignore = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ignore = greedy(24)
     out = llm.generate({"prompt_token_ids": EOS_PROMPT}, ignore, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == greedy
+    assert out.token_ids == greedy_ids
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(eos_llm: tuple[LLM, list[int], int]) -> None:

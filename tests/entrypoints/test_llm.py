@@ -39,7 +39,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 def test_greedy_from_bos_reproduces_published_stories_text(llm: LLM) -> None:
-    out = llm.generate({"prompt_token_ids": [1]}, SamplingParams(temperature=0, max_tokens=70))
+    out = llm.generate({"prompt_token_ids": [1]}, greedy(70, ignore_eos=False))
     assert out[0].outputs[0].text.startswith(STORIES_GREEDY_TEXT)
 
 
@@ -165,13 +165,13 @@ def test_min_tokens_holds_back_stop_tokens_until_reached(llm: LLM) -> None:
 
 
 def test_max_tokens_finishes_with_length(llm: LLM) -> None:
-    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    out = llm.generate(PROMPTS[3], greedy(5, ignore_eos=False), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
     assert out[0].outputs[0].finish_reason == "length"
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm: LLM) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    params = greedy(None)
     prompt = [1] + [403, 407, 261, 378] * 58  # 233 tokens: 23 steps to the limit
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 256 - len(prompt)

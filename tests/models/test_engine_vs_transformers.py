@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from decodegraph import LLM, SamplingParams
 from tests.utils.checkpoints import CHECKPOINTS, make_checkpoint
+from tests.utils.requests import greedy
 
 # Different lengths: one token, inside one block, exactly one block, across blocks.
 PROMPTS = [
@@ -101,7 +102,7 @@ def test_dtype_auto_reads_a_half_checkpoint_and_greedy_ids_match_transformers(
     path = make_checkpoint(tmp_path, "llama-gqa", dtype=dtype)
     llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
     assert llm.llm_engine.runner.dtype == dtype
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = greedy(24)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:3]], params, use_tqdm=False)
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
     ref.generation_config.eos_token_id = None
@@ -123,7 +124,7 @@ def test_a_sliding_window_model_within_its_window_matches_transformers(tmp_path:
     with pytest.raises(NotImplementedError, match="max_model_len <= 64"):
         LLM(str(path), skip_tokenizer_init=True, max_model_len=128)
     llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=64)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = greedy(24)
     prompt = PROMPTS[3][:36]
     got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     ref = AutoModelForCausalLM.from_pretrained(

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 
-from decodegraph.sampling_params import SamplingParams
+from tests.utils.requests import greedy
 
 MODEL_NAME = "stories"  # the name the conftest servers serve
 PROMPTS = [
@@ -32,7 +32,7 @@ MAX_TOKENS = 16
 
 def _offline(engine, prompts: list[str], max_tokens: int) -> dict[str, str]:
     """Greedy text of each prompt from a separate engine driven by hand (the offline API)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = greedy(max_tokens, ignore_eos=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     texts: dict[str, str] = {}
