@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch builds the CPU attention operator with the ninja installed in the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench bench-plot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,9 +21,9 @@ setup: $(BIN)/python .triton/.installed
 	$(BIN)/pip install -q --no-deps --target .triton -r requirements-triton.txt
 	touch $@
 
+# The bundled stories260K, greedy from BOS: its published story is 61 tokens.
 demo: setup
-	$(BIN)/decodegraph generate --model preset:llama-tiny --load-format dummy \
-		--prompt "Hello, my name is" --max-tokens 32 --temperature 0.8 --sampling-seed 0
+	$(BIN)/decodegraph --log-level WARNING generate --max-tokens 61
 
 test: setup
 	$(BIN)/ruff check decodegraph tests benchmarks
@@ -41,3 +41,10 @@ BENCH_ARGS ?= --modes NONE FULL_DECODE_ONLY --threads 1
 
 bench: setup
 	$(BIN)/python benchmarks/bench_decode.py $(BENCH_ARGS)
+
+# The README's figure: `decodegraph bench latency` on the bundled model, every graph mode,
+# batch sizes 1-16 (the CPU capture sizes go to 8: 16 shows the eager fall-back).
+bench-plot: setup
+	$(BIN)/decodegraph --log-level WARNING bench latency --batch-size 1 2 4 8 16 \
+		--num-iters-warmup 3 --num-iters 10 \
+		--output-json docs/images/bench_latency.json --plot docs/images/bench_latency.png

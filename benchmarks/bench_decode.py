@@ -37,10 +37,11 @@ from pathlib import Path
 import torch
 
 from decodegraph import LLM, SamplingParams
+from decodegraph.models.bundled import bundled_model_path
 from decodegraph.sampling_params import RequestOutputKind
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
+DEFAULT_MODEL = bundled_model_path("stories260K")
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 

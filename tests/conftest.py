@@ -1,4 +1,4 @@
-"""Shared fixtures: the real stories260K model from ../shared, when it is there."""
+"""Shared fixtures: the bundled stories260K model, the CPU operators, thread counts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-STORIES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+from decodegraph.models.bundled import DEFAULT_MODEL, bundled_model_path
+
+# The demo model shipped in the package (decodegraph/models/bundled/stories260K).
+STORIES_DIR = bundled_model_path(DEFAULT_MODEL)
 
 # Greedy output from the BOS token alone, as published with the model.
 STORIES_GREEDY_TEXT = (
@@ -20,8 +23,7 @@ STORIES_GREEDY_TEXT = (
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    if not (STORIES_DIR / "config.json").is_file():
-        pytest.skip(f"stories260K is absent (looked in {STORIES_DIR})")
+    assert STORIES_DIR is not None, "the bundled stories260K model is missing from the package"
     return STORIES_DIR
 
 

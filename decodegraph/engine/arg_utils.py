@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from decodegraph.config import (
     parse_dtype,
 )
 from decodegraph.graphs.modes import CUDAGraphMode
+from decodegraph.models.bundled import DEFAULT_MODEL, bundled_model_path
 from decodegraph.models.llama import check_sliding_window
 from decodegraph.platforms import platform_names
 
@@ -56,10 +58,14 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
         """Add the engine flags (vLLM spellings) to `parser`."""
         g = parser.add_argument_group("engine")
+        model_help = (
+            "local directory, hub id, preset:NAME, or a bundled model's name (default: the "
+            f"bundled demo model {DEFAULT_MODEL})"
+        )
         if model_positional:
-            g.add_argument("model", help="local directory, hub id, or preset:NAME")
+            g.add_argument("model", nargs="?", default=None, help=model_help)
         else:
-            g.add_argument("--model", required=True, help="local directory, hub id, or preset:NAME")
+            g.add_argument("--model", default=None, help=model_help)
         g.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id")
         g.add_argument("--revision", default=None)
         g.add_argument(
@@ -100,8 +106,18 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The engine arguments of parsed flags; with no model given, the bundled demo
+        model (and a line on stderr saying so)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        values = {k: v for k, v in vars(args).items() if k in names}
+        if values.get("model") is None:
+            values["model"] = DEFAULT_MODEL
+            print(
+                f"no model given: using the bundled demo model {DEFAULT_MODEL} "
+                f"({bundled_model_path(DEFAULT_MODEL)})",
+                file=sys.stderr,
+            )
+        return cls(**values)
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field, read the checkpoint's config, fill the defaults."""

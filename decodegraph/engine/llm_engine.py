@@ -61,16 +61,31 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
         self.tokenizer = get_tokenizer(mc, mc.model_path)
         self.runner = ModelRunner(config, self.platform, mc.hf_config)
-        start = time.perf_counter()
+        phases: dict[str, float] = {}
+        start = last = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            phases[name] = now - last
+            last = now
+
         self.runner.load_model(mc.model_path)
+        phase("load")
         self.runner.profile_run()
+        phase("profile")
         num_blocks = self._num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        phase("KV cache")
         mode = self.runner.resolve_graph_mode()
         stats = self.runner.capture_graphs()
+        phase("capture")
+        # Start-up phases and their seconds, for logs and `decodegraph graphs`.
+        self.startup_seconds = phases
         logger.info(
-            "Engine ready in %.1f s: %s, %d KV blocks of %d tokens, graph mode %s (%d graphs)",
+            "Engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens, graph mode %s (%d graphs)",
             time.perf_counter() - start,
+            ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
             mc.model,
             num_blocks - 1,
             cc.block_size,

@@ -1,4 +1,4 @@
-"""`decodegraph` command line: generate, graphs, serve (vLLM-style flags)."""
+"""`decodegraph` command line: generate, graphs, bench, serve (vLLM-style flags)."""
 
 from __future__ import annotations
 
@@ -68,12 +68,13 @@ def _generate(args: argparse.Namespace) -> int:
     for i, prompt in enumerate(prompts):
         out = outputs[str(i)]
         num_tokens += len(out.outputs[0].token_ids)
-        print(f"Prompt: {prompt!r}\nGenerated: {out.outputs[0].text!r}\n")
+        shown = repr(prompt) if prompt else "(none: from the BOS token)"
+        print(f"--- prompt {i}: {shown}\n{prompt}{out.outputs[0].text}\n")
     stats = engine.get_stats()
+    steps = ", ".join(f"{mode} {n}" for mode, n in sorted(stats.graph_runs.items()))
     print(
-        f"{num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s); "
-        f"graph mode {engine.runner.graph_runner.mode.name}; steps by mode {stats.graph_runs}",
-        file=sys.stderr,
+        f"--- {num_tokens} tokens in {elapsed:.3f} s ({num_tokens / elapsed:,.0f} tokens/s); "
+        f"graph mode {engine.runner.graph_runner.mode.name}; steps by mode: {steps}"
     )
     return 0
 
@@ -82,9 +83,70 @@ def _graphs(args: argparse.Namespace) -> int:
     from decodegraph.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    report = graphs_report(engine)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    rows = [
+        ("model", f"{report['model']} on {report['platform']}"),
+        (
+            "attention",
+            f"{report['attention_backend']} (graph support "
+            f"{report['attention_cudagraph_support']})",
+        ),
+        ("requested mode", report["requested_mode"]),
+        ("resolved mode", report["resolved_mode"]),
+        ("why", "; ".join(report["resolution"]) or "as requested"),
+        ("capture sizes", ", ".join(map(str, report["capture_sizes"])) or "-"),
+        (
+            "graphs",
+            f"{report['num_graphs']}"
+            + "".join(f", {mode}: {n}" for mode, n in report["graphs_by_mode"].items()),
+        ),
+        (
+            "capture",
+            f"{report['capture_seconds']:.1f} s, {report['capture_memory_bytes'] / 2**20:.1f} MiB",
+        ),
+        (
+            "start-up",
+            ", ".join(f"{k} {v:.1f} s" for k, v in report["startup_seconds"].items()),
+        ),
+        ("KV cache", f"{report['kv_cache_blocks']} blocks of {report['block_size']} tokens"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if report["keys"]:
+        print()
+        print(f"{'runtime mode':<14}{'batches':<9}{'graphs':>7}  capture sizes")
+        for row in report["keys"]:
+            print(
+                f"{row['runtime_mode']:<14}{row['batches']:<9}{row['graphs']:>7}  "
+                f"{', '.join(map(str, row['sizes']))}"
+            )
+    return 0
+
+
+def graphs_report(engine: object) -> dict:
+    """What `decodegraph graphs` prints, as a dict (its --json output)."""
     runner = engine.runner
-    cs = runner.graph_runner.stats
-    report = {
+    graph_runner = runner.graph_runner
+    cs = graph_runner.stats
+    keys = []
+    for mode, descriptors in graph_runner.dispatcher.keys.items():
+        if not descriptors:
+            continue
+        # A runtime mode's keys are all uniform decode keys or all mixed ones.
+        keys.append(
+            {
+                "runtime_mode": mode.name,
+                "batches": "decode" if descriptors[0].uniform else "mixed",
+                "graphs": cs.by_mode.get(mode.name, 0),
+                "sizes": sorted(d.num_tokens for d in descriptors),
+            }
+        )
+    return {
+        "model": engine.config.model_config.model,
         "platform": engine.platform.name,
         "attention_backend": runner.attn_backend.name,
         "attention_cudagraph_support": runner.attn_backend.cudagraph_support.name,
@@ -93,16 +155,18 @@ def _graphs(args: argparse.Namespace) -> int:
             if engine.config.enforce_eager
             else engine.config.compilation_config.cudagraph_mode.name
         ),
-        "resolved_mode": runner.graph_runner.mode.name,
-        "capture_sizes": runner.graph_runner.dispatcher.capture_sizes,
+        "resolved_mode": graph_runner.mode.name,
+        "resolution": graph_runner.mode_reasons,
+        "capture_sizes": graph_runner.dispatcher.capture_sizes,
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
+        "keys": keys,
         "capture_seconds": round(cs.seconds, 3),
         "capture_memory_bytes": cs.memory_bytes,
+        "startup_seconds": {k: round(v, 3) for k, v in engine.startup_seconds.items()},
         "kv_cache_blocks": runner.num_blocks - 1,
+        "block_size": runner.block_size,
     }
-    print(json.dumps(report, indent=2))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         "graphs", help="start an engine and print its resolved graph mode and captured graphs"
     )
     EngineArgs.add_cli_args(graphs, model_positional=True)
+    graphs.add_argument("--json", action="store_true", help="print the report as JSON")
     graphs.set_defaults(func=_graphs)
+
+    from decodegraph.benchmarks import add_bench_subcommand
+
+    add_bench_subcommand(sub)
 
     try:
         from decodegraph.entrypoints.openai.api_server import add_serve_subcommand

@@ -36,7 +36,7 @@ from decodegraph.forward_context import (
     set_forward_context,
 )
 from decodegraph.graphs.dispatcher import CudagraphDispatcher
-from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, resolve_cudagraph_mode
+from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
 from decodegraph.graphs.piecewise import PiecewiseGraph
 from decodegraph.platforms.base import DeviceGraph, Platform
 
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from decodegraph.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
+# Downgrades are the mode resolution's to report (decodegraph.graphs.modes).
+modes_logger = logging.getLogger("decodegraph.graphs.modes")
 
 GraphKey = tuple[RuntimeMode, BatchDescriptor]
 # Writes a dummy batch for a key into the buffers; returns each attention group's
@@ -84,6 +86,8 @@ class GraphRunner:
         self.max_num_reqs: int = sc.max_num_seqs
         self.max_num_tokens: int = sc.max_num_batched_tokens
         self.mode = CUDAGraphMode.NONE
+        # Why the mode differs from the requested one (one line per downgrade).
+        self.mode_reasons: list[str] = []
         self.capture_sizes: list[int] = []
         self.dispatcher = CudagraphDispatcher(CUDAGraphMode.NONE, [])
         self.graphs: dict[GraphKey, DeviceGraph] = {}
@@ -106,12 +110,14 @@ class GraphRunner:
         logged once, with its reason), and the dispatcher for it."""
         cc = self.compilation_config
         requested = CUDAGraphMode.NONE if self.config.enforce_eager else cc.cudagraph_mode
-        self.mode = resolve_cudagraph_mode(
+        self.mode, self.mode_reasons = explain_cudagraph_mode(
             requested,
             [backend.cudagraph_support for backend in self.attn_groups.values()],
             self.platform.supports_graphs,
             piecewise_available,
         )
+        for reason in self.mode_reasons:
+            modes_logger.warning("cudagraph_mode %s", reason)
         self.capture_sizes = self._capture_sizes()
         self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes, self.max_num_reqs)
         return self.mode

@@ -65,48 +65,58 @@ def resolve_cudagraph_mode(
     platform_supports_graphs: bool,
     piecewise_available: bool = True,
 ) -> CUDAGraphMode:
-    """Turn the requested mode into one this platform and these backends can run.
+    """Turn the requested mode into one this platform and these backends can run,
+    logging every downgrade with its reason.
 
     `supports` holds one level per attention group; the weakest group wins.
     """
+    mode, reasons = explain_cudagraph_mode(
+        requested, supports, platform_supports_graphs, piecewise_available
+    )
+    for reason in reasons:
+        logger.warning("cudagraph_mode %s", reason)
+    return mode
+
+
+def explain_cudagraph_mode(
+    requested: CUDAGraphMode,
+    supports: list[AttentionCGSupport],
+    platform_supports_graphs: bool,
+    piecewise_available: bool = True,
+) -> tuple[CUDAGraphMode, list[str]]:
+    """`resolve_cudagraph_mode` without the logging: the mode, and one line per
+    downgrade ("FULL -> FULL_AND_PIECEWISE: ...")."""
     if requested is CUDAGraphMode.NONE:
-        return requested
+        return requested, []
     if not platform_supports_graphs:
-        logger.warning(
-            "cudagraph_mode %s -> NONE: this platform cannot capture graphs", requested.name
-        )
-        return CUDAGraphMode.NONE
-    mode = requested
+        return CUDAGraphMode.NONE, [
+            f"{requested.name} -> NONE: this platform cannot capture graphs"
+        ]
+    mode, reasons = requested, []
     if mode.has_piecewise_graphs() and not piecewise_available:
         fallback = CUDAGraphMode.FULL_DECODE_ONLY if mode.has_full_graphs() else CUDAGraphMode.NONE
-        logger.warning(
-            "cudagraph_mode %s -> %s: piecewise graphs are unavailable for this model",
-            mode.name,
-            fallback.name,
+        reasons.append(
+            f"{mode.name} -> {fallback.name}: piecewise graphs are unavailable for this model"
         )
         mode = fallback
     if not mode.has_full_graphs():
-        return mode
+        return mode, reasons
     level = min(supports, default=AttentionCGSupport.ALWAYS)
     if level is AttentionCGSupport.NEVER:
         fallback = CUDAGraphMode.PIECEWISE if piecewise_available else CUDAGraphMode.NONE
-        logger.warning(
-            "cudagraph_mode %s -> %s: an attention backend supports no full graphs (NEVER)",
-            mode.name,
-            fallback.name,
+        reasons.append(
+            f"{mode.name} -> {fallback.name}: an attention backend supports no full graphs (NEVER)"
         )
-        return fallback
+        return fallback, reasons
     if mode is CUDAGraphMode.FULL and level < AttentionCGSupport.ALWAYS:
         fallback = (
             CUDAGraphMode.FULL_AND_PIECEWISE
             if piecewise_available
             else CUDAGraphMode.FULL_DECODE_ONLY
         )
-        logger.warning(
-            "cudagraph_mode FULL -> %s: attention support is %s, so mixed batches cannot "
-            "run in a full graph",
-            fallback.name,
-            level.name,
+        reasons.append(
+            f"FULL -> {fallback.name}: attention support is {level.name}, so mixed batches "
+            "cannot run in a full graph"
         )
-        return fallback
-    return mode
+        return fallback, reasons
+    return mode, reasons

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from decodegraph.config import ModelConfig
+from decodegraph.models.bundled import bundled_model_path
 from decodegraph.models.presets import get_preset_config, is_preset
 from decodegraph.models.registry import get_model_class
 
@@ -37,6 +38,9 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path | None:
     local = Path(model).expanduser()
     if local.is_dir():
         return local
+    bundled = bundled_model_path(model)
+    if bundled is not None:
+        return bundled
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 

@@ -393,3 +393,15 @@ def test_final_only_requests_show_nothing_until_the_end_and_match_cumulative(
         m = got.metrics
         assert m.first_scheduled_time <= m.first_token_time < m.last_token_time
     assert_all_blocks_free(ref)
+
+
+def test_start_up_logs_each_phase_with_its_seconds(
+    stories_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="decodegraph.engine.llm_engine")
+    engine = make_engine(stories_dir)
+    assert list(engine.startup_seconds) == ["load", "profile", "KV cache", "capture"]
+    assert all(seconds >= 0 for seconds in engine.startup_seconds.values())
+    (line,) = [r.getMessage() for r in caplog.records if "Engine ready" in r.getMessage()]
+    for phase in ("load", "profile", "KV cache", "capture"):
+        assert f"{phase} " in line and " s" in line

@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from decodegraph.attention.backends.base import AttentionCGSupport
+from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
+from decodegraph.attention.selector import ENV_VAR
 from decodegraph.entrypoints.cli import main
 from tests.conftest import STORIES_GREEDY_TEXT
+from tests.utils.platforms import registered_backend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +42,18 @@ def test_generate_from_bos_prints_the_published_stories_text(stories_dir: Path) 
     )
     assert proc.returncode == 0, proc.stderr
     assert STORIES_GREEDY_TEXT in proc.stdout
-    assert "graph mode NONE" in proc.stderr
+    assert "graph mode NONE" in proc.stdout
+
+
+def test_generate_with_no_model_runs_the_bundled_demo_model_and_says_so() -> None:
+    """What `make demo` runs: the published story, a tokens/s figure, mode and steps."""
+    proc = run_cli("--log-level", "WARNING", "generate", "--max-tokens", "61")
+    assert proc.returncode == 0, proc.stderr
+    assert "using the bundled demo model stories260K" in proc.stderr
+    assert f"\n{STORIES_GREEDY_TEXT}\n" in proc.stdout
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "61 tokens in" in summary and "tokens/s" in summary
+    assert "graph mode FULL_DECODE_ONLY; steps by mode: FULL 61" in summary
 
 
 def test_enforce_eager_overrides_the_compilation_config_and_prompts_are_used(
@@ -59,9 +74,9 @@ def test_enforce_eager_overrides_the_compilation_config_and_prompts_are_used(
         '{"cudagraph_mode": "FULL"}',
     )
     assert proc.returncode == 0, proc.stderr
-    assert "Prompt: 'Once upon a time'" in proc.stdout and "Prompt: 'Lily'" in proc.stdout
-    assert "Generated: ', there was a little girl named'" in proc.stdout
-    assert "graph mode NONE" in proc.stderr
+    assert "prompt 0: 'Once upon a time'" in proc.stdout and "prompt 1: 'Lily'" in proc.stdout
+    assert "\nOnce upon a time, there was a little girl named\n" in proc.stdout
+    assert "graph mode NONE" in proc.stdout
 
 
 def test_generate_help_shows_vllm_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -123,3 +138,30 @@ def test_unknown_flag_exits_with_usage(
         main(["generate", "--model", str(stories_dir), "--max-tokenz", "3"])
     assert info.value.code != 0
     assert "--max-tokenz" in capsys.readouterr().err
+
+
+class _SingleTokenDecodeBackend(CPUAttentionBackend):
+    """The CPU backend declaring less than it has (as CUDA's torch fallback does)."""
+
+    name = "CPU_SINGLE_TOKEN_DECODE"
+    cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def test_graphs_prints_a_readable_table_with_the_reason_of_a_downgrade(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = '{"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2], "use_inductor": false}'
+    with registered_backend(_SingleTokenDecodeBackend) as name:
+        monkeypatch.setenv(ENV_VAR, name)
+        assert main(["--log-level", "WARNING", "graphs", "-O", config]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in
+             out.splitlines() if "  " in line and not line.startswith(" ")}  # fmt: skip
+    assert lines["model"] == "stories260K on cpu"
+    assert lines["requested mode"] == "FULL"
+    assert lines["resolved mode"] == "FULL_AND_PIECEWISE"
+    assert "attention support is UNIFORM_SINGLE_TOKEN_DECODE" in lines["why"]
+    assert lines["capture sizes"] == "1, 2"
+    assert lines["graphs"] == "14, FULL: 2, PIECEWISE: 12"
+    assert lines["capture"].endswith("MiB") and lines["start-up"].startswith("load ")
+    assert "FULL          decode" in out and "PIECEWISE     mixed" in out

@@ -448,7 +448,7 @@ def test_inductor_freezing_leaves_kv_caches_and_metadata_live(stories_dir: Path)
 
 def _graphs_cli(*args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "decodegraph", "--log-level", "WARNING", "graphs", *args],
+        [sys.executable, "-m", "decodegraph", "--log-level", "WARNING", "graphs", "--json", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -26,7 +26,9 @@ def _csrc_files() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def test_the_wheel_holds_every_native_source_and_declares_ninja(tmp_path: Path) -> None:
+def test_the_wheel_holds_every_native_source_the_demo_model_and_declares_ninja(
+    tmp_path: Path,
+) -> None:
     # Built from a copy, so that setuptools' build/ and egg-info stay out of the checkout
     # (and no stale build/lib from an earlier build can hide a missing file).
     src = tmp_path / "src"
@@ -66,6 +68,12 @@ def test_the_wheel_holds_every_native_source_and_declares_ninja(tmp_path: Path) 
         assert not missing, f"the wheel lacks {missing}"
         for p in _csrc_files():
             assert zf.read(f"decodegraph/native/csrc/{p.name}") == p.read_bytes()
+        # The bundled demo model, whole: weights, tokenizer, license, provenance.
+        bundled = ROOT / "decodegraph" / "models" / "bundled" / "stories260K"
+        for p in sorted(bundled.iterdir()):
+            arcname = f"decodegraph/models/bundled/stories260K/{p.name}"
+            assert arcname in names, f"the wheel lacks {arcname}"
+            assert zf.read(arcname) == p.read_bytes()
         (metadata,) = (n for n in names if n.endswith(".dist-info/METADATA"))
         requires = email.message_from_bytes(zf.read(metadata)).get_all("Requires-Dist")
     assert any(r.replace(" ", "").startswith("ninja") for r in requires), requires
