@@ -79,13 +79,25 @@ def make_backend(
     head_size: int = 8,
     block_size: int = BLOCK_SIZE,
     max_model_len: int = MAX_MODEL_LEN,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    num_blocks: int = NUM_BLOCKS,
 ) -> AttentionBackend:
     if kernel == "triton":  # only under TRITON_INTERPRET=1 here (test_triton_attn.py)
         from decodegraph.attention.backends.triton_attn import TritonAttentionBackend as cls
     else:
         cls = CPUAttentionBackend if kernel == "native" else TorchOpsAttentionBackend
-    backend = cls(num_heads, num_kv_heads, head_size, head_size**-0.5, block_size, max_model_len)
-    shape = backend.get_kv_cache_shape(NUM_BLOCKS, block_size, num_kv_heads, head_size)
+    backend = cls(
+        num_heads,
+        num_kv_heads,
+        head_size,
+        head_size**-0.5,
+        block_size,
+        max_model_len,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
     backend.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)])
     backend.allocate_workspace(MAX_NUM_REQS, torch.float32, torch.device("cpu"))
     return backend
@@ -114,16 +126,30 @@ def token_slots(backend: AttentionBackend, layer_idx: int) -> tuple[_TokenSlots,
 
 
 def reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: int,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """q [q_len, h, d] at positions context.., k/v [length, kvh, d] -> [q_len, h * d]."""
+    """q [q_len, h, d] at positions context.., k/v [length, kvh, d] -> [q_len, h * d];
+    a query at position p sees keys (p - window, p] (Hugging Face's sliding window), and
+    scores are capped as cap * tanh(score / cap) (Gemma 2)."""
     q_len, h, d = q.shape
     group = h // k.shape[1]
     k = k.repeat_interleave(group, dim=1).float()
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(context, context + q_len)[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(k.shape[0])[None, :]
+    hidden = k_pos > q_pos
+    if window:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q_len, h * d)
 
 
@@ -142,7 +168,8 @@ def make_case(
     h, kvh, d, bs = backend.num_heads, backend.num_kv_heads, backend.head_size, backend.block_size
     k_tokens, v_tokens = token_slots(backend, layer_idx)
     # Block 0 is the reserved null block; the others go out shuffled.
-    free = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    num_blocks = backend.kv_caches[layer_idx][0].shape[0]
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     num_reqs, num_tokens = len(reqs), sum(n for _, n in reqs)
     padded_reqs, padded_tokens = num_reqs + pad_reqs, num_tokens + pad_tokens
     block_tables = torch.zeros(padded_reqs, backend.max_blocks_per_seq, dtype=torch.int32)
@@ -171,7 +198,17 @@ def make_case(
         slot_mapping[start : start + n] = torch.tensor(req_slots[context:])
         slots += req_slots[context:]
         q = query[start : start + n].view(n, h, d)
-        expected.append(reference(q, k_dense, v_dense, context, backend.scale))
+        expected.append(
+            reference(
+                q,
+                k_dense,
+                v_dense,
+                context,
+                backend.scale,
+                backend.sliding_window,
+                backend.logits_soft_cap,
+            )
+        )
     uniform = all(n == 1 for _, n in reqs)
     qsl_padded = qsl + [num_tokens] * pad_reqs
     metadata = AttentionMetadata(
@@ -421,6 +458,79 @@ def test_attention_with_output_writes_the_given_tensor_in_place(kernel: str) -> 
     check(case, output)
     n = case.metadata.num_actual_tokens
     assert torch.equal(output[n:], torch.zeros_like(output[n:]))
+
+
+WINDOW_CASES = {
+    # (context already cached, new tokens) per request.
+    "decodes": [(3, 1), (9, 1), (20, 1), (31, 1)],
+    "prefill-longer-than-the-window": [(0, 23)],
+    "chunk-across-the-window-edge": [(5, 6), (14, 9)],
+    "mixed": [(25, 1), (0, 13), (11, 4)],
+}
+
+
+@pytest.mark.parametrize("window", [1, 5, 8])
+@pytest.mark.parametrize("case_name", list(WINDOW_CASES))
+def test_a_sliding_window_sees_the_last_w_positions(
+    kernel: str, window: int, case_name: str
+) -> None:
+    backend = make_backend(kernel, sliding_window=window)
+    case = make_case(backend, WINDOW_CASES[case_name], seed=window)
+    check(case, run(case))
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("window", [7, 16, 40])
+def test_a_sliding_window_at_vector_block_sizes(kernel: str, block_size: int, window: int) -> None:
+    """Windows that start inside a block, on a block boundary, and past the context."""
+    backend = make_backend(kernel, 8, 2, 16, block_size, 128, sliding_window=window, num_blocks=96)
+    case = make_case(backend, [(n - 1, 1) for n in (3, 17, 48, 100)] + [(60, 9), (0, 33)])
+    check(case, run(case))
+
+
+@pytest.mark.parametrize("cap", [0.5, 2.0, 50.0])
+def test_logit_soft_capping_matches_the_reference(kernel: str, cap: float) -> None:
+    backend = make_backend(kernel, 8, 2, 16, 16, 64, logits_soft_cap=cap)
+    case = make_case(backend, [(30, 1), (0, 12), (6, 5)], key_scale=4.0)
+    check(case, run(case))
+
+
+def test_a_window_and_soft_capping_together(kernel: str) -> None:
+    backend = make_backend(kernel, 8, 4, 8, 16, 64, sliding_window=10, logits_soft_cap=3.0)
+    case = make_case(backend, [(40, 1), (0, 30), (20, 7)], key_scale=3.0)
+    check(case, run(case))
+
+
+def test_the_native_window_never_reads_blocks_before_it() -> None:
+    """Blocks wholly before every query's window hold NaN: the operator's result is
+    unchanged, so it skips them (its cost follows the window, and a sliding-window KV
+    group may free them)."""
+    require_native_op()
+    backend = make_backend("native", 8, 2, 16, 16, 128, sliding_window=16)
+    case = make_case(backend, [(99, 1), (70, 6)])
+    k_cache, v_cache = backend.kv_caches[0]
+    bt, lengths = case.metadata.block_tables, [100, 76]
+    for r, length in enumerate(lengths):
+        first_needed = (length - 6 - 16 + 1) // 16  # the earliest query's window start
+        for b in range(max(first_needed, 0)):
+            k_cache[bt[r, b]] = float("nan")
+            v_cache[bt[r, b]] = float("nan")
+    check(case, run(case))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bfloat16_with_a_window_and_soft_capping(kernel: str, block_size: int) -> None:
+    backend = make_backend(
+        kernel, 8, 2, 16, block_size, 64, sliding_window=12, logits_soft_cap=20.0
+    )
+    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
+    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
+    case = make_case(backend, [(40, 1), (0, 20), (25, 3)])
+    for name in ("query", "key", "value"):
+        setattr(case, name, getattr(case, name).bfloat16())
+    out = run(case)
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)
 
 
 def test_backends_declare_their_graph_support() -> None:

@@ -130,6 +130,17 @@ else:
         n = case.metadata.num_actual_tokens
         torch.testing.assert_close(out[:n], case.expected, rtol=3e-2, atol=3e-2)
 
+    @pytest.mark.parametrize("window", [5, 16])
+    def test_a_sliding_window_sees_the_last_w_positions(window: int) -> None:
+        backend = make_backend("triton", 8, 2, 16, 16, 128, sliding_window=window, num_blocks=64)
+        case = make_case(backend, [(40, 1), (0, 30), (20, 7), (3, 1)])
+        check(case, run(case))
+
+    def test_logit_soft_capping_with_a_window() -> None:
+        backend = make_backend("triton", 8, 4, 8, 16, 64, sliding_window=10, logits_soft_cap=3.0)
+        case = make_case(backend, [(40, 1), (0, 30), (20, 7)], key_scale=3.0)
+        check(case, run(case))
+
     def test_full_graphs_of_mixed_and_decode_batches_match_the_cpu_backend(
         stories_dir: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

@@ -102,6 +102,8 @@ class AttentionBackend:
         scale: float,
         block_size: int,
         max_model_len: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -109,6 +111,10 @@ class AttentionBackend:
         self.scale = scale
         self.block_size = block_size
         self.max_model_len = max_model_len
+        # A token attends to the last `sliding_window` positions up to its own (None: all).
+        self.sliding_window = sliding_window
+        # Scores become cap * tanh(score / cap) before the softmax (None: not capped).
+        self.logits_soft_cap = logits_soft_cap
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # One K and one V tensor per layer, shaped by get_kv_cache_shape (separate
         # tensors: writes through views of one big tensor copy it when compiled).

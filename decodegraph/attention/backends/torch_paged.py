@@ -126,6 +126,8 @@ class CPUAttentionBackend(AttentionBackend):
             md.num_reqs_host,
             self.scale,
             self._scores,
+            self.sliding_window or 0,
+            self.logits_soft_cap or 0.0,
         )
         return self._native_op, args
 
@@ -157,11 +159,14 @@ class CPUAttentionBackend(AttentionBackend):
         if b == 1:
             k, v = k[:, :, : md.max_seq_len], v[:, :, : md.max_seq_len]
         # Grouped-query attention without repeating K/V: [b, kvh, group, d].
-        scores = torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
-        if b > 1:
+        scores = self._cap(torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale))
+        if b > 1 or self.sliding_window:
             lengths = md.seq_lens_host[:b].to(self._positions.device, non_blocking=True)
-            beyond = self._positions[: nb * bs] >= lengths[:, None]
-            scores.masked_fill_(beyond.view(b, 1, 1, -1), float("-inf"))
+            positions = self._positions[: k.shape[2]]
+            hidden = positions >= lengths[:, None]
+            if self.sliding_window:  # before the window of the one new token
+                hidden |= positions < lengths[:, None] - self.sliding_window
+            scores.masked_fill_(hidden.view(b, 1, 1, -1), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
         return out.view(b, self.num_heads * d)
 
@@ -179,6 +184,10 @@ class CPUAttentionBackend(AttentionBackend):
             k = self._gather(k_blocks, self._ws_k, ids).view(-1, kvh, d)[:length]
             v = self._gather(v_blocks, self._ws_v, ids).view(-1, kvh, d)[:length]
             q = query[start:end].view(q_len, h, d).transpose(0, 1)
+            if self.sliding_window or self.logits_soft_cap:
+                o = self._attend(q, k.transpose(0, 1), v.transpose(0, 1), length)
+                out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
+                continue
             mask = None
             if 1 < q_len < length:
                 q_pos = self._positions[length - q_len : length]
@@ -193,6 +202,31 @@ class CPUAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
+
+
+    def _cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """Logit soft-capping, in place: cap * tanh(scores / cap)."""
+        cap = self.logits_soft_cap
+        return scores.div_(cap).tanh_().mul_(cap) if cap else scores
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """One request's attention in explicit ops (soft-capping and sliding windows,
+        which scaled_dot_product_attention has no argument for): q [h, q_len, d] at the
+        last q_len of `length` positions, k/v [kvh, length, d]."""
+        h, q_len, d = q.shape
+        kvh = k.shape[0]
+        scores = torch.matmul(q.reshape(kvh, -1, d), k.transpose(1, 2)).mul_(self.scale)
+        scores = self._cap(scores).view(kvh, h // kvh, q_len, length)
+        q_pos = self._positions[length - q_len : length, None]
+        k_pos = self._positions[None, :length]
+        hidden = k_pos > q_pos
+        if self.sliding_window:
+            hidden |= k_pos <= q_pos - self.sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).view(kvh, -1, length)
+        return torch.matmul(weights, v).view(h, q_len, d)
 
 
 class CUDATorchAttentionBackend(CPUAttentionBackend):
@@ -225,8 +259,13 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
         k = self._gather(k_blocks, self._ws_k, ids).view(t, nb * bs, kvh, d).transpose(1, 2)
         v = self._gather(v_blocks, self._ws_v, ids).view(t, nb * bs, kvh, d).transpose(1, 2)
         scores = torch.matmul(query.view(t, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
+        scores = self._cap(scores)
+        lengths = md.seq_lens[:t, None]
+        hidden = self._positions >= lengths
+        if self.sliding_window:
+            hidden |= self._positions < lengths - self.sliding_window
         # Padded rows have length 0: let them see position 0 so softmax stays finite.
-        beyond = (self._positions >= md.seq_lens[:t, None]) & (self._positions > 0)
-        scores.masked_fill_(beyond.view(t, 1, 1, -1), float("-inf"))
+        hidden[:, 0] &= lengths[:, 0] > 0
+        scores.masked_fill_(hidden.view(t, 1, 1, -1), float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
         output.copy_(out.view(t, self.num_heads * d))

@@ -75,6 +75,8 @@ def _paged_attention(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     REQS_PAD: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: none
+    SOFT_CAP: tl.constexpr,  # 0.0: none
 ):
     t = tl.program_id(0)
     kh = tl.program_id(1)
@@ -104,13 +106,20 @@ def _paged_attention(
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
     tile = (kh * HEAD_SIZE + d[:, None]) * BLOCK_SIZE + j[None, :]  # [HEAD_PAD, BLOCK_SIZE]
     num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-    for b in range(0, num_blocks):
+    # A sliding window starts at ctx - W: blocks before it are never read.
+    first = 0
+    if SLIDING_WINDOW > 0:
+        first = tl.maximum(ctx - SLIDING_WINDOW, 0)
+    for b in range(first // BLOCK_SIZE, num_blocks):
         block = tl.load(block_tables + r_safe * bt_stride + b).to(tl.int64)
-        live = b * BLOCK_SIZE + j < ctx
+        pos = b * BLOCK_SIZE + j
+        live = (pos < ctx) & (pos >= first)
         base = block * NUM_KV_HEADS * HEAD_SIZE * BLOCK_SIZE
         mask = d_live[:, None] & live[None, :]
         k = tl.load(k_cache + base + tile, mask=mask, other=0.0).to(tl.float32)
         s = tl.sum(q[:, :, None] * k[None, :, :], axis=1)  # [GROUP_PAD, BLOCK_SIZE]
+        if SOFT_CAP > 0:  # cap * tanh(s / cap), tanh(x) = 2 / (1 + exp(-2x)) - 1
+            s = SOFT_CAP * (2.0 / (1.0 + tl.exp(-2.0 * s / SOFT_CAP)) - 1.0)
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -181,4 +190,6 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_PAD=triton.next_power_of_2(self.head_size),
             BLOCK_SIZE=self.block_size,
             REQS_PAD=triton.next_power_of_2(max(num_reqs, 1)),
+            SLIDING_WINDOW=self.sliding_window or 0,
+            SOFT_CAP=float(self.logits_soft_cap or 0.0),
         )

@@ -74,7 +74,8 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
                          const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                          const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
-                         double scale, const at::Tensor& workspace, const at::Tensor& out) {
+                         double scale, const at::Tensor& workspace, int64_t sliding_window,
+                         double logits_soft_cap, const at::Tensor& out) {
     const auto dtype = k_cache.scalar_type();
     TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
                     query.scalar_type() == dtype && key.scalar_type() == dtype &&
@@ -126,7 +127,9 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
         seq_lens.data_ptr<int32_t>(), block_tables.stride(0), num_reqs, rows, query.stride(0),
         key.stride(0), value.stride(0), num_heads, num_kv_heads, head_size, block_size,
         static_cast<float>(scale), k_cache.size(0), block_tables.size(1), max_len,
-        dtype == at::kBFloat16};
+        dtype == at::kBFloat16, sliding_window, static_cast<float>(logits_soft_cap)};
+    TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0,
+                "paged_attention: sliding_window and logits_soft_cap must not be negative");
     const int status = paged_attention_begin(&step);
     TORCH_CHECK(status != 3, "paged_attention: bfloat16 head size above 512");
     TORCH_CHECK(status == 0, "paged_attention: a slot, block id, sequence length or query range "
@@ -145,10 +148,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
                            const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                            const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
-                           double scale, const at::Tensor& workspace) {
+                           double scale, const at::Tensor& workspace, int64_t sliding_window,
+                           double logits_soft_cap) {
     auto out = at::empty({query.size(0), query.size(1)}, query.options());
     paged_attention_out(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
-                        query_start_loc, seq_lens, num_reqs_host, scale, workspace, out);
+                        query_start_loc, seq_lens, num_reqs_host, scale, workspace,
+                        sliding_window, logits_soft_cap, out);
     return out;
 }
 
@@ -246,12 +251,13 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("silu_and_mul(Tensor x) -> Tensor");
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
-          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
+          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace, "
+          "int sliding_window, float logits_soft_cap) -> Tensor");
     // The same, into a given output (what a piecewise graph's eager attention calls).
     m.def("paged_attention_out(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
-          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace, Tensor(a!) out) "
-          "-> ()");
+          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace, "
+          "int sliding_window, float logits_soft_cap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {

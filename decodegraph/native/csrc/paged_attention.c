@@ -7,7 +7,10 @@
  * Writes every new token's K/V into its cache slot (slot -1: a padded row, skipped),
  * then attends each token over its request's context through the block table: token
  * i of a request with q_len new tokens and seq_len positions sees the first
- * seq_len - q_len + i + 1 (causal, with the cached context before it). One call does a
+ * seq_len - q_len + i + 1 (causal, with the cached context before it), or with a sliding
+ * window W the last W of those: its cost follows the window, not the context, and the
+ * blocks before the window are never read (a sliding-window KV group frees them).
+ * Logit soft-capping (Gemma 2) caps each scaled score at +-softcap through tanh. One call does a
  * whole layer (wrapped as a torch operator in cpu_ops.cpp), so a step pays one
  * operator call per layer instead of a dozen tensor ops, or one attention per request.
  *
@@ -50,6 +53,15 @@ INLINE float kv_at(const void *tile, int64_t i, const int bf16)
     return bf16 ? bf16_to_f32(((const uint16_t *)tile)[i]) : ((const float *)tile)[i];
 }
 
+/* Logit soft-capping (Gemma 2): cap * tanh(x / cap), rounded after each step as a bf16
+ * model's reference attention computes it. */
+INLINE float soft_cap(float x, float cap, const int bf16)
+{
+    if (!bf16)
+        return cap * tanhf(x / cap);
+    return round_bf16(round_bf16(tanhf(round_bf16(x / cap))) * cap);
+}
+
 /* One KV head's tile of the block holding context position p0. */
 INLINE const void *tile_of(const void *cache, const int32_t *bt, int64_t p0, int64_t bs,
                            int64_t tile_stride, int64_t tile_off, const int bf16)
@@ -62,13 +74,14 @@ INLINE const void *tile_of(const void *cache, const int32_t *bt, int64_t p0, int
  * their maximum. float32 folds the scale into q; bfloat16 rounds the raw and the scaled
  * score to bf16, as a bf16 matmul and the multiply after it do. Lanes past the context
  * in the last block are computed but never used. */
-INLINE float score_pass(const float *qh, const void *k_cache, const int32_t *bt, int64_t len,
-                        int64_t tile_stride, int64_t tile_off, int64_t d, const int64_t bs,
-                        float scale, float *__restrict__ sc, const int bf16)
+INLINE float score_pass(const float *qh, const void *k_cache, const int32_t *bt, int64_t start,
+                        int64_t len, int64_t tile_stride, int64_t tile_off, int64_t d,
+                        const int64_t bs, float scale, float softcap, float *__restrict__ sc,
+                        const int bf16)
 {
     const float q_scale = bf16 ? 1.f : scale;
     float m = -FLT_MAX;
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    for (int64_t p0 = start / bs * bs; p0 < len; p0 += bs) {
         const void *kt = tile_of(k_cache, bt, p0, bs, tile_stride, tile_off, bf16);
         float *s = sc + p0;
         for (int64_t j = 0; j < bs; j++)
@@ -82,6 +95,10 @@ INLINE float score_pass(const float *qh, const void *k_cache, const int32_t *bt,
         for (int64_t j = 0; j < n; j++) {
             if (bf16)
                 s[j] = round_bf16(round_bf16(s[j]) * scale);
+            if (softcap > 0.f)
+                s[j] = soft_cap(s[j], softcap, bf16);
+            if (p0 + j < start)
+                s[j] = -FLT_MAX; /* before the window: weight 0 */
             m = s[j] > m ? s[j] : m;
         }
     }
@@ -118,14 +135,16 @@ INLINE void weigh_block(float *__restrict__ s, const float *vt, float m, int64_t
  * maximum, then exp-weighted sums of V (no running rescale). Callers pass `bs` as a
  * constant where they can, which makes every inner loop exactly one vector wide. */
 INLINE void attend_head(const float *qh, const float *k_cache, const float *v_cache,
-                        const int32_t *bt, int64_t len, int64_t tile_stride, int64_t tile_off,
-                        int64_t d, const int64_t bs, float scale, float *__restrict__ sc,
-                        float *__restrict__ acc, float *__restrict__ o)
+                        const int32_t *bt, int64_t start, int64_t len, int64_t tile_stride,
+                        int64_t tile_off, int64_t d, const int64_t bs, float scale,
+                        float softcap, float *__restrict__ sc, float *__restrict__ acc,
+                        float *__restrict__ o)
 {
-    const float m = score_pass(qh, k_cache, bt, len, tile_stride, tile_off, d, bs, scale, sc, 0);
+    const float m = score_pass(qh, k_cache, bt, start, len, tile_stride, tile_off, d, bs, scale,
+                               softcap, sc, 0);
     memset(acc, 0, (size_t)(d + 1) * bs * sizeof(float));
     float *l = acc + d * bs; /* per-lane sums of the weights */
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    for (int64_t p0 = start / bs * bs; p0 < len; p0 += bs) {
         const float *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
         if (len - p0 >= bs) /* n = bs: a constant where bs is, so one vector wide */
             weigh_block(sc + p0, vt, m, d, bs, bs, l, acc);
@@ -143,19 +162,21 @@ INLINE void attend_head(const float *qh, const float *k_cache, const float *v_ca
  * the scaled scores, and the normalised weights before they multiply V. Sums are float32
  * throughout, as in a bf16 matmul. */
 INLINE void attend_head_bf16(const float *qh, const uint16_t *k_cache, const uint16_t *v_cache,
-                             const int32_t *bt, int64_t len, int64_t tile_stride,
+                             const int32_t *bt, int64_t start, int64_t len, int64_t tile_stride,
                              int64_t tile_off, int64_t d, const int64_t bs, float scale,
-                             float *__restrict__ sc, float *__restrict__ acc,
+                             float softcap, float *__restrict__ sc, float *__restrict__ acc,
                              float *__restrict__ o)
 {
-    const float m = score_pass(qh, k_cache, bt, len, tile_stride, tile_off, d, bs, scale, sc, 1);
+    const float m = score_pass(qh, k_cache, bt, start, len, tile_stride, tile_off, d, bs, scale,
+                               softcap, sc, 1);
+    const int64_t first = start / bs * bs; /* the first block the window reaches */
     float total = 0.f;
-    for (int64_t p = 0; p < len; p++) {
+    for (int64_t p = first; p < len; p++) {
         sc[p] = expf(sc[p] - m);
         total += sc[p];
     }
     memset(acc, 0, (size_t)d * bs * sizeof(float));
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+    for (int64_t p0 = first; p0 < len; p0 += bs) {
         const uint16_t *vt = v_cache + (int64_t)bt[p0 / bs] * tile_stride + tile_off;
         float *s = sc + p0;
         const int64_t n = len - p0 < bs ? len - p0 : bs;
@@ -219,14 +240,15 @@ enum { BF16_MAX_HEAD = 512 };
 
 /* One token's row: all heads over the first `len` positions of block table `bt`. */
 static void attend_row(const void *q_row, void *o_row, const void *k_cache,
-                       const void *v_cache, const int32_t *bt, int64_t len, int64_t num_heads,
-                       int64_t g, int64_t d, int64_t bs, int64_t tile_stride, float scale,
-                       float *sc, int64_t sc_stride, float *acc, int avx512, int bf16)
+                       const void *v_cache, const int32_t *bt, int64_t start, int64_t len,
+                       int64_t num_heads, int64_t g, int64_t d, int64_t bs, int64_t tile_stride,
+                       float scale, float softcap, float *sc, int64_t sc_stride, float *acc,
+                       int avx512, int bf16)
 {
 #if DECODEGRAPH_X86
     if (avx512) {
-        attend_request_avx512(q_row, k_cache, v_cache, bt, len, tile_stride, num_heads, g, d,
-                              bs, scale, sc, sc_stride, o_row, bf16);
+        attend_request_avx512(q_row, k_cache, v_cache, bt, start, len, tile_stride, num_heads,
+                              g, d, bs, scale, softcap, sc, sc_stride, o_row, bf16);
         return;
     }
 #endif
@@ -240,11 +262,11 @@ static void attend_row(const void *q_row, void *o_row, const void *k_cache,
                 qf[i] = bf16_to_f32(qh[i]);
             const uint16_t *kc = (const uint16_t *)k_cache, *vc = (const uint16_t *)v_cache;
             if (bs == 16)
-                attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc, acc,
-                                 of);
+                attend_head_bf16(qf, kc, vc, bt, start, len, tile_stride, off, d, 16, scale,
+                                 softcap, sc, acc, of);
             else
-                attend_head_bf16(qf, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc, acc,
-                                 of);
+                attend_head_bf16(qf, kc, vc, bt, start, len, tile_stride, off, d, bs, scale,
+                                 softcap, sc, acc, of);
             for (int64_t i = 0; i < d; i++)
                 ((uint16_t *)o_row)[h * d + i] = f32_to_bf16(of[i]);
             continue;
@@ -253,9 +275,11 @@ static void attend_row(const void *q_row, void *o_row, const void *k_cache,
         const float *kc = (const float *)k_cache, *vc = (const float *)v_cache;
         float *o = (float *)o_row + h * d;
         if (bs == 16)
-            attend_head(qh, kc, vc, bt, len, tile_stride, off, d, 16, scale, sc, acc, o);
+            attend_head(qh, kc, vc, bt, start, len, tile_stride, off, d, 16, scale, softcap, sc,
+                        acc, o);
         else
-            attend_head(qh, kc, vc, bt, len, tile_stride, off, d, bs, scale, sc, acc, o);
+            attend_head(qh, kc, vc, bt, start, len, tile_stride, off, d, bs, scale, softcap, sc,
+                        acc, o);
     }
 }
 
@@ -271,6 +295,10 @@ struct paged_attention_step {
     float scale;
     int64_t num_blocks, bt_cols, max_len; /* max_len: context positions a workspace holds */
     int bf16;
+    /* Sliding window: a token sees the last `window` positions up to its own (0: all);
+     * logit soft-capping: scores become softcap * tanh(score / softcap) (0: none). */
+    int64_t window;
+    float softcap;
 };
 
 /* Check the step, write its new K/V into the caches and zero the padding rows of out:
@@ -310,13 +338,16 @@ void paged_attention_requests(const struct paged_attention_step *a, int64_t r0, 
     for (int64_t r = r0; r < r1; r++) {
         const int32_t *bt = a->block_tables + r * a->bt_stride;
         const int64_t first = a->query_start_loc[r], end = a->query_start_loc[r + 1];
-        /* Token t sees the context up to and including its own position. */
-        for (int64_t t = first; t < end; t++)
+        /* Token t sees the context up to and including its own position (len of them),
+         * or within a sliding window the last `window` of those. */
+        for (int64_t t = first; t < end; t++) {
+            const int64_t len = a->seq_lens[r] - (end - 1 - t);
+            const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
             attend_row((const char *)a->q + t * a->q_stride * elem,
-                       (char *)a->out + t * row_bytes, a->k_cache, a->v_cache, bt,
-                       a->seq_lens[r] - (end - 1 - t), a->num_heads, g, d, bs,
-                       a->num_kv_heads * d * bs, a->scale, sc, a->max_len, acc, avx512,
-                       a->bf16);
+                       (char *)a->out + t * row_bytes, a->k_cache, a->v_cache, bt, start, len,
+                       a->num_heads, g, d, bs, a->num_kv_heads * d * bs, a->scale, a->softcap,
+                       sc, a->max_len, acc, avx512, a->bf16);
+        }
     }
     restore_fp_mode(fp_mode);
 }

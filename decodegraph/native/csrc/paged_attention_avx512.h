@@ -71,23 +71,54 @@ AVX512 __m512 sum_lanes16(const __m512 *v)
     return _mm512_permutexvar_ps(order, z);
 }
 
+/* tanh of 16 lanes, as 1 - 2 / (exp(2|x|) + 1) with the sign of x. */
+AVX512 __m512 tanh16(__m512 x)
+{
+    const __m512 ax = _mm512_abs_ps(x), one = _mm512_set1_ps(1.f);
+    const __m512 e = exp16(_mm512_add_ps(ax, ax));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(t),
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+}
+
+/* Soft-capping of 16 scores: cap * tanh(x / cap), rounded as soft_cap rounds for bf16. */
+AVX512 __m512 soft_cap16(__m512 x, float cap, const int bf16)
+{
+    const __m512 c = _mm512_set1_ps(cap);
+    if (!bf16)
+        return _mm512_mul_ps(c, tanh16(_mm512_div_ps(x, c)));
+    return round_bf16_16(
+        _mm512_mul_ps(round_bf16_16(tanh16(round_bf16_16(_mm512_div_ps(x, c)))), c));
+}
+
+/* Lanes of the 16 positions from p0 on that lie in [start, len). */
+AVX512 __mmask16 window_lanes(int64_t p0, int64_t start, int64_t len)
+{
+    const __mmask16 live = first_lanes(len - p0);
+    return start > p0 ? (__mmask16)(live & ~first_lanes(start - p0)) : live;
+}
+
 AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void *v_cache,
-                                const int32_t *bt, int64_t len, int64_t tile_stride,
-                                int64_t tile_off, const int64_t d, const int64_t G,
-                                const int64_t bs, float scale, float *__restrict__ sc,
-                                int64_t sc_stride, float *o, const int bf16)
+                                const int32_t *bt, int64_t start, int64_t len,
+                                int64_t tile_stride, int64_t tile_off, const int64_t d,
+                                const int64_t G, const int64_t bs, float scale, float softcap,
+                                float *__restrict__ sc, int64_t sc_stride, float *o,
+                                const int bf16)
 {
     const int64_t elem = bf16 ? 2 : 4;
+    /* The first block the window reaches, and its first position. */
+    const int64_t b0 = start / bs, first = b0 * bs;
     __m512 acc[MAX_GROUP_ACC], mv[MAX_GROUP], lv[MAX_GROUP], s[MAX_GROUP];
     for (int64_t j = 0; j < G; j++) {
         mv[j] = _mm512_set1_ps(-FLT_MAX);
         lv[j] = _mm512_setzero_ps();
     }
-    for (int64_t b = 0, p0 = 0; p0 < len; b++) {
+    for (int64_t b = b0, p0 = first; p0 < len; b++) {
         const char *kb = (const char *)k_cache + ((int64_t)bt[b] * tile_stride + tile_off) * elem;
         for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) { /* 16 positions */
             const char *kt = kb + c * elem;
-            const __mmask16 live = first_lanes(len - p0);
+            const __mmask16 live = window_lanes(p0, start, len);
             for (int64_t j = 0; j < G; j++)
                 s[j] = _mm512_setzero_ps();
             for (int64_t i = 0; i < d; i++) {
@@ -101,6 +132,8 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
                     x = round_bf16_16(_mm512_mul_ps(round_bf16_16(s[j]), _mm512_set1_ps(scale)));
                 else
                     x = _mm512_mul_ps(s[j], _mm512_set1_ps(scale));
+                if (softcap > 0.f)
+                    x = soft_cap16(x, softcap, bf16);
                 x = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), live, x);
                 _mm512_storeu_ps(sc + j * sc_stride + p0, x);
                 mv[j] = _mm512_max_ps(mv[j], x);
@@ -111,8 +144,8 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
         mv[j] = _mm512_set1_ps(_mm512_reduce_max_ps(mv[j]));
     __m512 total[MAX_GROUP];
     if (bf16) { /* the weights' sums first: bf16 normalises each weight before V */
-        for (int64_t p0 = 0; p0 < len; p0 += 16) {
-            const __mmask16 live = first_lanes(len - p0);
+        for (int64_t p0 = first; p0 < len; p0 += 16) {
+            const __mmask16 live = window_lanes(p0, start, len);
             for (int64_t j = 0; j < G; j++) {
                 float *x = sc + j * sc_stride + p0;
                 const __m512 e =
@@ -126,11 +159,11 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
     }
     for (int64_t i = 0; i < G * d; i++)
         acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0, p0 = 0; p0 < len; b++) {
+    for (int64_t b = b0, p0 = first; p0 < len; b++) {
         const char *vb = (const char *)v_cache + ((int64_t)bt[b] * tile_stride + tile_off) * elem;
         for (int64_t c = 0; c < bs && p0 < len; c += 16, p0 += 16) {
             const char *vt = vb + c * elem;
-            const __mmask16 live = first_lanes(len - p0);
+            const __mmask16 live = window_lanes(p0, start, len);
             for (int64_t j = 0; j < G; j++) {
                 const __m512 x = _mm512_loadu_ps(sc + j * sc_stride + p0);
                 if (bf16) {
@@ -170,9 +203,9 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
  * know). float32 shapes we know get constant d and G, at block size 16 and at any other.
  * bf16 rows are converted to float32 per group, and the output rounded back. */
 __attribute__((target("avx512f"))) static void attend_request_avx512(
-    const void *q, const void *k_cache, const void *v_cache, const int32_t *bt, int64_t len,
-    int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, int64_t bs, float scale,
-    float *sc, int64_t sc_stride, void *o_row, int bf16)
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *bt, int64_t start,
+    int64_t len, int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, int64_t bs,
+    float scale, float softcap, float *sc, int64_t sc_stride, void *o_row, int bf16)
 {
     const int64_t tile = d * bs, max_g = MAX_GROUP_ACC / d < MAX_GROUP ? MAX_GROUP_ACC / d
                                                                         : MAX_GROUP;
@@ -186,11 +219,11 @@ __attribute__((target("avx512f"))) static void attend_request_avx512(
                 for (int64_t i = 0; i < G * d; i++)
                     qf[i] = bf16_to_f32(qh[i]);
                 if (bs == 16)
-                    attend_group_avx512(qf, k_cache, v_cache, bt, len, tile_stride, off, d, G, 16,
-                                        scale, sc, sc_stride, of, 1);
+                    attend_group_avx512(qf, k_cache, v_cache, bt, start, len, tile_stride, off,
+                                        d, G, 16, scale, softcap, sc, sc_stride, of, 1);
                 else
-                    attend_group_avx512(qf, k_cache, v_cache, bt, len, tile_stride, off, d, G, bs,
-                                        scale, sc, sc_stride, of, 1);
+                    attend_group_avx512(qf, k_cache, v_cache, bt, start, len, tile_stride, off,
+                                        d, G, bs, scale, softcap, sc, sc_stride, of, 1);
                 for (int64_t i = 0; i < G * d; i++)
                     ((uint16_t *)o_row)[h0 * d + i] = f32_to_bf16(of[i]);
                 continue;
@@ -198,8 +231,8 @@ __attribute__((target("avx512f"))) static void attend_request_avx512(
             const float *qg = (const float *)q + h0 * d;
             float *og = (float *)o_row + h0 * d;
 #define GROUP(D, NG, BS)                                                                      \
-    attend_group_avx512(qg, k_cache, v_cache, bt, len, tile_stride, off, D, NG, BS, scale, sc, \
-                        sc_stride, og, 0)
+    attend_group_avx512(qg, k_cache, v_cache, bt, start, len, tile_stride, off, D, NG, BS,     \
+                        scale, softcap, sc, sc_stride, og, 0)
 #define SHAPES(BS)                                                                            \
     if (d == 8 && G == 1)                                                                     \
         GROUP(8, 1, BS);                                                                      \
