@@ -30,7 +30,8 @@ class BatchDescriptor(NamedTuple):
 
 @dataclass
 class ForwardContext:
-    # The backend that owns the KV caches and the attention metadata.
+    # The backend that owns the KV caches and the attention metadata (of the first
+    # attention group; `layer_backends` names each layer's where there are several).
     attn_backend: AttentionBackend
     # Which attention params the attention op reads: the eager ones (EAGER_PARAMS_ID),
     # or those of the graph being captured (an id baked into the graph; the graph
@@ -40,6 +41,14 @@ class ForwardContext:
     # eagerly with each step's metadata), never a native operator called directly with
     # this capture's metadata tensors baked in.
     split_attention: bool = False
+    # Layer index -> the backend of its attention group; None: every layer's is
+    # attn_backend.
+    layer_backends: list[AttentionBackend] | None = None
+
+    def backend_of(self, layer_idx: int) -> AttentionBackend:
+        """The attention backend of layer `layer_idx`."""
+        backends = self.layer_backends
+        return self.attn_backend if backends is None else backends[layer_idx]
 
 
 _forward_context: ForwardContext | None = None

@@ -42,7 +42,9 @@ def unified_attention(
     """Write K/V into layer `layer_idx`'s cache and attend, with the attention params
     `params_id` (baked into a graph; refreshed by update_graph_params)."""
     output = query.new_empty(query.shape)
-    get_forward_context().attn_backend.forward(query, key, value, output, layer_idx, params_id)
+    get_forward_context().backend_of(layer_idx).forward(
+        query, key, value, output, layer_idx, params_id
+    )
     return output
 
 
@@ -55,7 +57,9 @@ def unified_attention_with_output(
     params_id: int,
 ) -> None:
     """`unified_attention` into `output` ([num_tokens, heads * head_size], contiguous)."""
-    get_forward_context().attn_backend.forward(query, key, value, output, layer_idx, params_id)
+    get_forward_context().backend_of(layer_idx).forward(
+        query, key, value, output, layer_idx, params_id
+    )
 
 
 _lib.impl("unified_attention", unified_attention, "CompositeExplicitAutograd")
@@ -71,7 +75,12 @@ SPLIT_OP = torch.ops.decodegraph.unified_attention_with_output.default
 
 
 class Attention(nn.Module):
-    """Paged attention for one decoder layer ([T, H*D] in, [T, H*D] out)."""
+    """Paged attention for one decoder layer ([T, H*D] in, [T, H*D] out).
+
+    `sliding_window` (a token sees the last W positions up to its own) and
+    `logits_soft_cap` (scores capped as cap * tanh(s / cap)) make the layer's attention
+    group: the model runner gives every group its own backend and KV cache.
+    """
 
     def __init__(
         self,
@@ -80,6 +89,8 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         layer_idx: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -92,6 +103,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -104,7 +117,7 @@ class Attention(nn.Module):
                 q, k, v, output, self.layer_idx, ctx.params_id
             )
             return output
-        direct = ctx.attn_backend.native_op_args(self.layer_idx, ctx.params_id)
+        direct = ctx.backend_of(self.layer_idx).native_op_args(self.layer_idx, ctx.params_id)
         if direct is not None:
             op, args = direct
             return op(q, k, v, *args)
@@ -115,7 +128,19 @@ class Attention(nn.Module):
         qh = q.view(t, self.num_heads, self.head_size).transpose(0, 1)
         kh = k.view(t, self.num_kv_heads, self.head_size).transpose(0, 1)
         vh = v.view(t, self.num_kv_heads, self.head_size).transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
-        )
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            group = self.num_heads // self.num_kv_heads
+            scores = torch.matmul(qh, kh.repeat_interleave(group, 0).transpose(1, 2)) * self.scale
+            if self.logits_soft_cap:
+                scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+            pos = torch.arange(t, device=q.device)
+            hidden = pos[None, :] > pos[:, None]
+            if self.sliding_window:
+                hidden |= pos[None, :] <= pos[:, None] - self.sliding_window
+            scores = scores.masked_fill(hidden, float("-inf"))
+            out = torch.matmul(scores.softmax(-1), vh.repeat_interleave(group, 0))
         return out.transpose(0, 1).reshape(t, self.num_heads * self.head_size)

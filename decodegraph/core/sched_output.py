@@ -29,8 +29,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     # The model's EOS id (min_tokens masks it); None without one.
     eos_token_id: int | None
-    # Its whole block table after this step's allocation.
-    block_ids: list[int]
+    # Per KV cache group, its whole block table after this step's allocation.
+    block_ids: tuple[list[int], ...]
     # Tokens already in the KV cache (a prefix-cache hit), not to be computed again.
     num_computed_tokens: int
 
@@ -46,13 +46,16 @@ class CachedRequestData:
     # Back from preemption: its old blocks are gone and `new_block_ids` is the whole
     # table; its tokens (prompt and outputs) are the runner's own, as before.
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    # Blocks appended since the previous step (the whole table when resumed).
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Per KV cache group, blocks appended since the previous step (the whole table when
+    # resumed). A sliding-window group's table also had blocks before the window freed
+    # (null in the scheduler's table): the runner's copy keeps their old ids, which no
+    # attention reads.
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     # Tokens in the KV cache before this step (a resumed request's prefix-cache hit).
     num_computed_tokens: list[int] = field(default_factory=list)
 
     def append(
-        self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int
+        self, req_id: str, resumed: bool, new_block_ids: tuple[list[int], ...], num_computed: int
     ) -> None:
         self.req_ids.append(req_id)
         self.resumed_from_preemption.append(resumed)

@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from decodegraph.config import CacheConfig, SchedulerConfig
-from decodegraph.core.block_pool import KVCacheBlock
-from decodegraph.core.kv_cache_manager import KVCacheManager
+from decodegraph.core.kv_cache_manager import GroupBlocks, KVCacheManager
+from decodegraph.core.kv_cache_spec import KVCacheGroupSpec, SlidingWindowSpec
 from decodegraph.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -48,7 +48,8 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         max_model_len: int,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens or max(
@@ -63,12 +64,14 @@ class Scheduler:
                 f"max_model_len ({max_model_len}): without chunked prefill a long prompt "
                 "could never be scheduled; raise it or enable chunked prefill"
             )
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        kv = self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching, kv_cache_groups
         )
         # A request that outgrew the whole cache would preempt itself forever, so cap
-        # the length at what the cache holds when that is below max_model_len.
-        capacity = (num_blocks - 1) * self.block_size
+        # the length at what the cache holds when that is below max_model_len. A sliding
+        # window group holds a request's window, whatever its length.
+        full = [n for g, n in zip(kv.groups, kv.num_blocks, strict=True) if not _windowed(g)]
+        capacity = min(full) * self.block_size if full else max_model_len
         if capacity < max_model_len:
             logger.warning(
                 "KV cache holds %d tokens, less than max_model_len %d: requests are "
@@ -78,6 +81,22 @@ class Scheduler:
                 capacity,
             )
         self.max_request_len = min(max_model_len, capacity)
+        # A sliding-window group frees only blocks that left the window: one request's
+        # chunk, its window and the block after must fit in it at once, or a long prompt
+        # would never be scheduled.
+        self.max_chunk_tokens = min(
+            [
+                (n - g.spec.window_blocks - 1) * self.block_size
+                for g, n in zip(kv.groups, kv.num_blocks, strict=True)
+                if _windowed(g)
+            ],
+            default=self.max_num_scheduled_tokens,
+        )
+        if self.max_chunk_tokens < 1:
+            raise ValueError(
+                "num_gpu_blocks_override: a sliding-window KV cache group needs at least "
+                f"{self.max_num_scheduled_tokens} more blocks than its window's"
+            )
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -172,18 +191,22 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                token_budget,
+                self.max_chunk_tokens,
+            )
             new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:
                 break  # the request preempted itself: it was the tail, nothing is left
             scheduled.append(request)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            if new_blocks:
+            if any(new_blocks):
                 cached.append(
                     request.request_id,
                     False,
-                    [b.block_id for b in new_blocks],
+                    tuple([b.block_id for b in blocks] for blocks in new_blocks),
                     request.num_computed_tokens,
                 )
             token_budget -= num_new
@@ -196,10 +219,10 @@ class Scheduler:
             request = waiting[0]
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_computed
-            if num_new > token_budget:
+            if num_new > min(token_budget, self.max_chunk_tokens):
                 if not self.enable_chunked_prefill:
                     break
-                num_new = token_budget
+                num_new = min(token_budget, self.max_chunk_tokens)
             if kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             waiting.popleft()
@@ -213,7 +236,7 @@ class Scheduler:
             scheduled.append(request)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            block_ids = list(kv.get_block_ids(request.request_id))
+            block_ids = tuple(list(ids) for ids in kv.get_group_block_ids(request.request_id))
             if resumed:
                 cached.append(request.request_id, True, block_ids, num_computed)
             else:
@@ -244,7 +267,7 @@ class Scheduler:
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: set[str]
-    ) -> list[KVCacheBlock] | None:
+    ) -> GroupBlocks | None:
         """Allocate for a running request, preempting from the tail of `running` until
         it fits; returns the new blocks. Victims come after `request` (the tail is
         scheduled last), so nothing already scheduled this step is lost. None if
@@ -356,3 +379,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+
+def _windowed(group: KVCacheGroupSpec) -> bool:
+    return isinstance(group.spec, SlidingWindowSpec)

@@ -23,7 +23,6 @@ from decodegraph.config import (
 )
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.bundled import DEFAULT_MODEL, bundled_model_path
-from decodegraph.models.llama import check_sliding_window
 from decodegraph.platforms import platform_names
 
 
@@ -167,7 +166,6 @@ class EngineArgs:
                 f"max_model_len: {model_config.max_model_len} exceeds the model's context "
                 f"length ({limit})"
             )
-        check_sliding_window(hf_config, model_config.max_model_len)  # fail before loading
         if scheduler_config.max_num_batched_tokens is None:
             scheduler_config.max_num_batched_tokens = max(2048, model_config.max_model_len)
         if compilation_config.cudagraph_mode is None:

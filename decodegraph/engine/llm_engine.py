@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from decodegraph.config import EngineConfig
+from decodegraph.core.kv_cache_spec import SlidingWindowSpec
+from decodegraph.core.kv_cache_utils import kv_cache_block_counts
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.engine.arg_utils import EngineArgs
 from decodegraph.engine.output_processor import OutputProcessor
@@ -82,17 +84,21 @@ class LLMEngine:
         phase("capture")
         # Start-up phases and their seconds, for logs and `decodegraph graphs`.
         self.startup_seconds = phases
+        groups = self.runner.kv_cache_groups
         logger.info(
-            "Engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens, graph mode %s (%d graphs)",
+            "Engine ready in %.1f s (%s): %s, KV blocks of %d tokens: %s; graph mode %s "
+            "(%d graphs)",
             time.perf_counter() - start,
             ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
             mc.model,
-            num_blocks - 1,
             cc.block_size,
+            ", ".join(f"{g.name} {n - 1}" for g, n in zip(groups, num_blocks, strict=True)),
             mode.name,
             stats.num_graphs,
         )
-        self.scheduler = Scheduler(config.scheduler_config, cc, mc.max_model_len, num_blocks)
+        self.scheduler = Scheduler(
+            config.scheduler_config, cc, mc.max_model_len, num_blocks, groups
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
         self._prompt_tokens_total = 0
@@ -103,29 +109,38 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- start-up
 
-    def _num_kv_blocks(self) -> int:
-        """KV blocks: exactly `kv_cache_memory_bytes` (or `num_gpu_blocks_override`) when
-        given; otherwise the platform's budget less the attention workspace and the graph
-        pool, which are allocated after the KV cache."""
+    def _num_kv_blocks(self) -> list[int]:
+        """KV blocks per KV cache group: `num_gpu_blocks_override` each when given;
+        else `kv_cache_memory_bytes`, or the platform's budget less the attention
+        workspace and the graph pool (allocated after the KV cache), shared out between
+        the groups (core/kv_cache_utils.py)."""
         cc, runner = self.config.cache_config, self.runner
-        per_block = runner.kv_cache_bytes_per_block()
-        blocks_per_seq = runner.attn_backend.max_blocks_per_seq
+        groups = runner.kv_cache_groups
+        per_block = [runner.kv_cache_bytes_per_block(g) for g in range(len(groups))]
         if cc.num_gpu_blocks_override is not None:
-            num_blocks = cc.num_gpu_blocks_override
-        elif cc.kv_cache_memory_bytes is not None:
-            num_blocks = cc.kv_cache_memory_bytes // per_block
+            counts = [cc.num_gpu_blocks_override] * len(groups)
         else:
-            budget = self.platform.available_kv_cache_memory(
-                cc.gpu_memory_utilization, self.platform.memory_allocated()
+            if cc.kv_cache_memory_bytes is not None:
+                budget = cc.kv_cache_memory_bytes
+            else:
+                budget = self.platform.available_kv_cache_memory(
+                    cc.gpu_memory_utilization, self.platform.memory_allocated()
+                )
+                budget -= runner.workspace_bytes(runner.max_num_reqs)
+                if not self.config.enforce_eager:
+                    budget -= runner.profile_peak_bytes
+            counts = kv_cache_block_counts(
+                groups,
+                per_block,
+                budget,
+                runner.max_num_reqs,
+                runner.max_num_tokens,
+                self.model_config.max_model_len,
             )
-            budget -= runner.workspace_bytes(runner.max_num_reqs)
-            if not self.config.enforce_eager:
-                budget -= runner.profile_peak_bytes
-            # More than every sequence at full length is of no use but prefix caching.
-            budget = min(budget, (runner.max_num_reqs * blocks_per_seq + 1) * per_block)
-            num_blocks = max(0, budget) // per_block
-        needed = blocks_per_seq + 1  # one full-length sequence plus the null block
-        if num_blocks < needed:
+        needed = runner.max_blocks_per_seq + 1  # one full-length sequence plus the null block
+        for group, count, size in zip(groups, counts, per_block, strict=True):
+            if isinstance(group.spec, SlidingWindowSpec) or count >= needed:
+                continue
             field_name = (
                 "num_gpu_blocks_override"
                 if cc.num_gpu_blocks_override is not None
@@ -134,11 +149,11 @@ class LLMEngine:
                 else "gpu_memory_utilization"
             )
             raise ValueError(
-                f"{field_name}: the KV cache holds {num_blocks} blocks of {cc.block_size} "
+                f"{field_name}: the KV cache holds {count} blocks of {cc.block_size} "
                 f"tokens, but max_model_len={self.model_config.max_model_len} needs {needed} "
-                f"(each block is {per_block} bytes); raise the budget or lower max_model_len"
+                f"(each block is {size} bytes); raise the budget or lower max_model_len"
             )
-        return num_blocks
+        return counts
 
     def _eos_token_ids(self) -> tuple[int | None, list[int]]:
         """The model's EOS id and any further ones it lists.

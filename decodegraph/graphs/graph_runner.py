@@ -17,6 +17,7 @@ depends on which platform that is.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -75,6 +76,7 @@ class GraphRunner:
         platform: Platform,
         buffers: InputBuffers,
         attn_groups: dict[str, AttentionBackend],
+        eager_context: ForwardContext | None = None,
     ) -> None:
         sc = config.scheduler_config
         self.config = config
@@ -83,6 +85,9 @@ class GraphRunner:
         self.buffers = buffers
         # Attention group name -> its backend; graph params are refreshed by name.
         self.attn_groups = attn_groups
+        # The context steps run in (each layer's backend); captures bake a params id in.
+        first = next(iter(attn_groups.values()))
+        self._eager_context = eager_context or ForwardContext(first, EAGER_PARAMS_ID)
         self.max_num_reqs: int = sc.max_num_seqs
         self.max_num_tokens: int = sc.max_num_batched_tokens
         self.mode = CUDAGraphMode.NONE
@@ -190,18 +195,23 @@ class GraphRunner:
         metadata = prepare_dummy(mode, key)
         name = f"{mode.name}{tuple(key)}"
         fn = self._forward_fn(model, logits=mode is RuntimeMode.FULL and key.uniform)
-        ((group, backend),) = self.attn_groups.items()
+        base = self._eager_context
         if mode is RuntimeMode.FULL:
-            params_id = self.graph_params[key] = backend.new_graph_params(metadata[group])
-            context = ForwardContext(backend, params_id)
+            # Every group's params get the same id (they are made in lockstep).
+            ids = {backend.new_graph_params(metadata[group]) for group, backend in self._groups}
+            if len(ids) != 1:
+                raise RuntimeError(f"attention groups' graph params out of step: {ids}")
+            params_id = self.graph_params[key] = ids.pop()
+            context = dataclasses.replace(base, params_id=params_id)
             with set_forward_context(context):
                 graph = self.platform.make_graph(
                     name, fn, self.graph_inputs(mode, key), self.compilation_config, pool
                 )
             count = 1
         else:
-            backend.set_eager_metadata(metadata[group])
-            context = ForwardContext(backend, EAGER_PARAMS_ID, split_attention=True)
+            for group, backend in self._groups:
+                backend.set_eager_metadata(metadata[group])
+            context = dataclasses.replace(base, params_id=EAGER_PARAMS_ID, split_attention=True)
             with set_forward_context(context):
                 graph = PiecewiseGraph(
                     name,
@@ -238,14 +248,9 @@ class GraphRunner:
         two; the rest are bound so that their addresses are checked too) and, for a full
         graph, every tensor its attention reads (AttentionBackend.graph_tensors)."""
         b, n = self.buffers, key.num_tokens
-        inputs = [
-            b.input_ids.gpu[:n],
-            b.positions.gpu[:n],
-            b.slot_mapping.gpu[:n],
-            b.seq_lens.gpu,
-            b.block_tables.gpu,
-            b.query_start_loc.gpu,
-        ]
+        inputs = [b.input_ids.gpu[:n], b.positions.gpu[:n], b.seq_lens.gpu, b.query_start_loc.gpu]
+        for table in b.kv_groups:
+            inputs += [table.slot_mapping.gpu[:n], table.block_table.gpu]
         if mode is RuntimeMode.FULL:
             params_id = self.graph_params[key]
             for backend in self.attn_groups.values():

@@ -20,11 +20,19 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]) * x[..., d:]
 
 
-_ACTIVATIONS = {"silu": SiluAndMul}
+class GeluTanhAndMul(nn.Module):
+    """`gelu(x[..., :d], tanh approximation) * x[..., d:]` (Gemma's gated MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
 
 
 def get_act_and_mul_fn(hidden_act: str) -> nn.Module:
-    """The gated activation for a config's `hidden_act` (only silu is supported)."""
+    """The gated activation for a config's `hidden_act` (silu, gelu_pytorch_tanh)."""
     if hidden_act not in _ACTIVATIONS:
         raise NotImplementedError(
             f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"

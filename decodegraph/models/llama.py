@@ -24,10 +24,10 @@ from decodegraph.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
 )
 from decodegraph.layers.rotary_embedding import apply_rotary_emb, get_rope, get_rope_parameters
 from decodegraph.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from decodegraph.models.weights import load_stacked_weights
 
 
 @dataclass(frozen=True)
@@ -44,20 +44,16 @@ def get_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_sliding_window(config: PretrainedConfig, max_model_len: int | None = None) -> None:
-    """Sliding-window attention is not implemented: refuse a window shorter than the
-    longest sequence the engine will run (`max_model_len`, else the model's context).
-    Within the window, full attention is exactly the same thing."""
+def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """Layer `layer_idx`'s sliding window where transformers applies one: the layers
+    `layer_types` marks "sliding_attention" (Qwen2's `use_sliding_window` with
+    `max_window_layers`, Gemma, Qwen3), or every layer of a model with a
+    `sliding_window` and no `layer_types` (Mistral); None for full attention."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    applies = layer_types is None or "sliding_attention" in layer_types
-    length = max_model_len or config.max_position_embeddings
-    if window is not None and applies and window < length:
-        raise NotImplementedError(
-            f"sliding_window={window} is shorter than max_model_len={length}: "
-            f"sliding-window attention is not implemented in decodegraph; pass "
-            f"max_model_len <= {window} (within the window, attention is exact)"
-        )
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
 
 
 class LlamaMLP(nn.Module):
@@ -94,7 +90,12 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_idx
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_idx,
+            sliding_window=layer_sliding_window(config, layer_idx),
         )
 
     def forward(
@@ -169,23 +170,11 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-# HF checkpoint name fragment -> (our stacked parameter fragment, shard id).
-_STACKED_PARAMS = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
-
-
 class LlamaForCausalLM(nn.Module):
     """Llama decoder with an LM head (tied to the embedding when `tie_word_embeddings`)."""
 
     def __init__(self, hf_config: PretrainedConfig, max_model_len: int | None = None) -> None:
         super().__init__()
-        check_sliding_window(hf_config, max_model_len)
         self.config = hf_config
         self.model = LlamaModel(hf_config, self.attention_options(hf_config))
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -211,43 +200,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into the parameters; returns the names of the
         parameters fully loaded (a stacked one only once all its shards arrived)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[int | str]] = {}
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue  # old checkpoints saved the rope buffer; ours is computed
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # some tied checkpoints store the copy anyway
-            parts = name.split(".")
-            stacked = next((p for p in parts if p in _STACKED_PARAMS), None)
-            target = name
-            if stacked is not None:
-                fragment, shard_id = _STACKED_PARAMS[stacked]
-                target = ".".join(fragment if p == stacked else p for p in parts)
-            if target not in params:
-                raise ValueError(
-                    f"unexpected weight {name!r} in the checkpoint: "
-                    f"{type(self).__name__} has no parameter {target!r}"
-                )
-            try:
-                if stacked is None:
-                    default_weight_loader(params[target], tensor)
-                    loaded.add(target)
-                else:
-                    module = self.get_submodule(target.rsplit(".", 1)[0])
-                    module.weight_loader(params[target], tensor, shard_id)
-                    shards_seen.setdefault(target, set()).add(shard_id)
-            except ValueError as e:
-                raise ValueError(f"weight {name!r}: {e}") from None
-        for target, seen in shards_seen.items():
-            if len(seen) == _NUM_SHARDS[target.split(".")[-2]]:
-                loaded.add(target)
-        return loaded
+        return load_stacked_weights(self, weights, self.tie_word_embeddings)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama architecture (sliding window refused when it would apply)."""
+    """Mistral: the Llama architecture, every layer in its `sliding_window`."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

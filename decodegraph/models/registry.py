@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from decodegraph.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from decodegraph.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -13,6 +14,8 @@ from decodegraph.models.llama import (
 )
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -14,7 +14,7 @@ import numpy as np
 from decodegraph.attention.backends.base import AttentionMetadata
 from decodegraph.forward_context import BatchDescriptor
 from decodegraph.graphs.modes import RuntimeMode
-from decodegraph.worker.input_buffers import InputBuffers
+from decodegraph.worker.input_buffers import BlockTable, InputBuffers
 from decodegraph.worker.request_state import CachedRequestState
 
 
@@ -75,8 +75,9 @@ class InputBatch:
         b = buffers
         b.input_ids.np[:num_tokens] = 0
         b.positions.np[:num_tokens] = 0
-        b.slot_mapping.np[:num_reqs] = 0
-        b.slot_mapping.np[num_reqs:num_tokens] = -1
+        for table in b.kv_groups:
+            table.slot_mapping.np[:num_reqs] = 0
+            table.slot_mapping.np[num_reqs:num_tokens] = -1
         b.seq_lens.np[:num_reqs] = 1
         b.seq_lens.np[num_reqs:views] = 0
         b.query_start_loc.np[: num_reqs + 1] = np.arange(num_reqs + 1)
@@ -136,7 +137,7 @@ class InputBatch:
         for i, (state, n) in enumerate(zip(states, counts, strict=True)):
             first = state.num_computed_tokens
             end = first + n
-            block_ids = state.block_ids
+            block_ids = state.block_ids[0]
             tokens = state.all_token_ids
             if n == 1:
                 ids[start] = tokens[first]
@@ -156,11 +157,14 @@ class InputBatch:
             logits_idx[i] = start - 1
             if end == len(tokens):
                 sample_rows.append(i)
+        for g in range(1, len(b.kv_groups)):  # the other KV cache groups' tables
+            _write_group(b.kv_groups[g], g, states, counts, bs)
         # Padding (docs/design.md §5) and stale tails.
         if padded_tokens > num_tokens:
             ids[num_tokens:padded_tokens] = 0
             pos[num_tokens:padded_tokens] = 0
-            slots[num_tokens:padded_tokens] = -1
+            for table in b.kv_groups:
+                table.slot_mapping.np[num_tokens:padded_tokens] = -1
         if padded_reqs > num_reqs:
             seq_lens[num_reqs:padded_reqs] = 0
             qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
@@ -185,10 +189,13 @@ class InputBatch:
             batch_descriptor=key,
         )
 
-    def attention_metadata(self, buffers: InputBuffers) -> AttentionMetadata:
-        """This batch's attention metadata over views of `buffers` (the buffers' object
-        for this shape, its host values set to this batch's)."""
-        md = buffers.attention_metadata(self.num_reqs_after_padding, self.num_tokens_after_padding)
+    def attention_metadata(self, buffers: InputBuffers, group: int = 0) -> AttentionMetadata:
+        """This batch's attention metadata over views of `buffers` for KV cache group
+        `group` (the buffers' object for this shape, its host values set to this
+        batch's)."""
+        md = buffers.attention_metadata(
+            self.num_reqs_after_padding, self.num_tokens_after_padding, group
+        )
         md.num_reqs = self.num_reqs
         md.num_actual_tokens = self.num_tokens
         md.max_query_len = self.max_query_len
@@ -197,3 +204,26 @@ class InputBatch:
         md.query_start_loc_cpu = self.query_start_loc_cpu
         md.seq_lens_cpu = self.seq_lens_cpu
         return md
+
+
+def _write_group(
+    table: BlockTable,
+    group: int,
+    states: list[CachedRequestState],
+    counts: list[int],
+    bs: int,
+) -> None:
+    """Slots and block-table rows of KV cache group `group` (the first group's are written
+    in prepare's main loop). Each state's computed tokens already count this step's."""
+    slots = table.slot_mapping.np
+    start = 0
+    for i, (state, n) in enumerate(zip(states, counts, strict=True)):
+        block_ids = state.block_ids[group]
+        first = state.num_computed_tokens - n
+        if n == 1:
+            slots[start] = block_ids[first // bs] * bs + first % bs
+        else:
+            p = np.arange(first, first + n)
+            slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
+        table.write_row(i, state.req_id, block_ids)
+        start += n

@@ -30,8 +30,49 @@ class PersistentBuffer:
             self.gpu[:n].copy_(self.cpu[:n], non_blocking=True)
 
 
+class BlockTable:
+    """One KV cache group's block tables and slot mapping (vLLM's name): the rows of the
+    batch's requests, with which request wrote each row and how many columns."""
+
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        self.slot_mapping = PersistentBuffer((max_num_tokens,), torch.int64, device, -1)
+        self.block_table = PersistentBuffer(
+            (max_num_reqs, max_blocks_per_seq), torch.int32, device, 0
+        )
+        # Per row: which request wrote it and how many columns (stale-tail clearing, and
+        # skipping rewrites: a decoding request's table changes once per block).
+        self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.row_owner: list[str | None] = [None] * max_num_reqs
+
+    def write_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
+        n = len(block_ids)
+        prev = int(self.row_blocks[row])
+        if self.row_owner[row] == request_id and prev == n:
+            return  # a running request's blocks only grow at the tail: nothing changed
+        bt = self.block_table.np
+        bt[row, :n] = block_ids
+        if prev > n:
+            bt[row, n:prev] = 0
+        self.row_blocks[row] = n
+        self.row_owner[row] = request_id
+
+    def forget(self, request_ids: set[str] | frozenset[str]) -> None:
+        for row, owner in enumerate(self.row_owner):
+            if owner in request_ids:
+                self.row_owner[row] = None
+
+    def clear_rows(self, start: int, end: int) -> None:
+        stale = self.row_blocks[start:end]
+        if stale.any():
+            self.block_table.np[start:end] = 0
+            stale[:] = 0
+        self.row_owner[start:end] = [None] * (end - start)
+
+
 class InputBuffers:
-    """Every per-step model and attention input."""
+    """Every per-step model and attention input, with a `BlockTable` per KV cache group."""
 
     def __init__(
         self,
@@ -40,6 +81,7 @@ class InputBuffers:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
@@ -49,31 +91,41 @@ class InputBuffers:
         # block 0 (block 0 is the reserved null block).
         self.input_ids = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)
         self.positions = PersistentBuffer((max_num_tokens,), torch.int64, device, 0)
-        self.slot_mapping = PersistentBuffer((max_num_tokens,), torch.int64, device, -1)
         self.seq_lens = PersistentBuffer((max_num_reqs,), torch.int32, device, 0)
         self.query_start_loc = PersistentBuffer((max_num_reqs + 1,), torch.int32, device, 0)
-        self.block_tables = PersistentBuffer(
-            (max_num_reqs, max_blocks_per_seq), torch.int32, device, 0
-        )
         self.logits_indices = PersistentBuffer((max_num_reqs,), torch.int64, device, 0)
+        self.kv_groups = [
+            BlockTable(max_num_tokens, max_num_reqs, max_blocks_per_seq, device)
+            for _ in range(num_kv_groups)
+        ]
         # The step's request count as a host tensor (read by native attention operators).
         self.num_reqs_host = torch.zeros(1, dtype=torch.int32)
         self.num_reqs_np = self.num_reqs_host.numpy()
-        # Per row: which request wrote it and how many columns (stale-tail clearing, and
-        # skipping rewrites: a decoding request's table changes once per block).
-        self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.row_owner: list[str | None] = [None] * max_num_reqs
-        # (padded reqs, padded tokens) -> the attention metadata over views of these
-        # buffers (made once per shape; a step rewrites its host values).
-        self._metadata: dict[tuple[int, int], AttentionMetadata] = {}
+        # (group, padded reqs, padded tokens) -> the attention metadata over views of
+        # these buffers (made once per shape; a step rewrites its host values).
+        self._metadata: dict[tuple[int, int, int], AttentionMetadata] = {}
 
-    def attention_metadata(self, num_reqs: int, num_tokens: int) -> AttentionMetadata:
+    @property
+    def slot_mapping(self) -> PersistentBuffer:
+        """The first KV cache group's slot mapping."""
+        return self.kv_groups[0].slot_mapping
+
+    @property
+    def block_tables(self) -> PersistentBuffer:
+        """The first KV cache group's block tables."""
+        return self.kv_groups[0].block_table
+
+    def attention_metadata(
+        self, num_reqs: int, num_tokens: int, group: int = 0
+    ) -> AttentionMetadata:
         """The metadata over views for a batch padded to `num_reqs` request rows and
-        `num_tokens` tokens: one object per shape, whose host values each step sets
-        (InputBatch.attention_metadata). A graph's params are copies of it."""
-        md = self._metadata.get((num_reqs, num_tokens))
+        `num_tokens` tokens, for KV cache group `group`: one object per shape, whose host
+        values each step sets (InputBatch.attention_metadata). A graph's params are
+        copies of it."""
+        md = self._metadata.get((group, num_reqs, num_tokens))
         if md is None:
-            md = self._metadata[(num_reqs, num_tokens)] = AttentionMetadata(
+            table = self.kv_groups[group]
+            md = self._metadata[(group, num_reqs, num_tokens)] = AttentionMetadata(
                 num_reqs=0,
                 num_actual_tokens=0,
                 max_query_len=0,
@@ -83,8 +135,8 @@ class InputBuffers:
                 seq_lens_cpu=[],
                 query_start_loc=self.query_start_loc.gpu[: num_reqs + 1],
                 seq_lens=self.seq_lens.gpu[:num_reqs],
-                block_tables=self.block_tables.gpu[:num_reqs],
-                slot_mapping=self.slot_mapping.gpu[:num_tokens],
+                block_tables=table.block_table.gpu[:num_reqs],
+                slot_mapping=table.slot_mapping.gpu[:num_tokens],
                 seq_lens_host=self.seq_lens.cpu[:num_reqs],
                 num_reqs_host=self.num_reqs_host,
                 query_start_loc_host=self.query_start_loc.cpu[: num_reqs + 1],
@@ -92,36 +144,27 @@ class InputBuffers:
         return md
 
     def write_block_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
-        n = len(block_ids)
-        prev = int(self.row_blocks[row])
-        if self.row_owner[row] == request_id and prev == n:
-            return  # a running request's blocks only grow at the tail: nothing changed
-        bt = self.block_tables.np
-        bt[row, :n] = block_ids
-        if prev > n:
-            bt[row, n:prev] = 0
-        self.row_blocks[row] = n
-        self.row_owner[row] = request_id
+        """Row `row` of the first group's block tables holds `request_id`'s blocks."""
+        self.kv_groups[0].write_row(row, request_id, block_ids)
 
-    def forget(self, request_ids: set[str]) -> None:
+    def forget(self, request_ids: set[str] | frozenset[str]) -> None:
         """Rows of preempted requests must be rewritten: their blocks were replaced."""
-        for row, owner in enumerate(self.row_owner):
-            if owner in request_ids:
-                self.row_owner[row] = None
+        for table in self.kv_groups:
+            table.forget(request_ids)
 
     def clear_block_rows(self, start: int, end: int) -> None:
-        """Padded rows point at the null block only."""
-        stale = self.row_blocks[start:end]
-        if stale.any():
-            self.block_tables.np[start:end] = 0
-            stale[:] = 0
-        self.row_owner[start:end] = [None] * (end - start)
+        """Padded rows point at the null block only, in every group."""
+        for table in self.kv_groups:
+            table.clear_rows(start, end)
 
     def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
         if self.input_ids.gpu is self.input_ids.cpu:
             return  # CPU: the host arrays are the buffers
-        for buf in (self.input_ids, self.positions, self.slot_mapping):
+        for buf in (self.input_ids, self.positions):
             buf.copy_to_device(num_tokens)
-        for buf in (self.seq_lens, self.block_tables, self.logits_indices):
+        for buf in (self.seq_lens, self.logits_indices):
             buf.copy_to_device(num_reqs)
+        for table in self.kv_groups:
+            table.slot_mapping.copy_to_device(num_tokens)
+            table.block_table.copy_to_device(num_reqs)
         self.query_start_loc.copy_to_device(num_reqs + 1)

@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 from decodegraph.attention.backends.base import AttentionBackend, AttentionMetadata
 from decodegraph.attention.selector import get_attn_backend
 from decodegraph.config import EngineConfig
+from decodegraph.core.kv_cache_spec import KVCacheGroupSpec
 from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from decodegraph.forward_context import (
     EAGER_PARAMS_ID,
@@ -34,14 +35,12 @@ from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
 from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
 from decodegraph.sample.sampler import Sampler, SamplerOutput
+from decodegraph.worker.attention_groups import AttentionGroups, build_attention_groups
 from decodegraph.worker.input_batch import InputBatch
 from decodegraph.worker.input_buffers import InputBuffers
 from decodegraph.worker.request_state import CachedRequestState, RequestStates
 
 logger = logging.getLogger(__name__)
-
-# The one attention group every layer belongs to (until models mix attention kinds).
-FULL_ATTENTION = "full_attention"
 
 
 class ModelRunner:
@@ -66,27 +65,13 @@ class ModelRunner:
         self.head_size = get_head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
 
-        self.attn_backend: AttentionBackend = get_attn_backend(platform)(
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_size,
-            self.head_size**-0.5,
-            self.block_size,
-            self.max_model_len,
-        )
-        # Eager steps and graph replays run in this context (a graph's attention reads
-        # the params id baked into it; eager attention reads EAGER_PARAMS_ID's).
-        self._eager_context = ForwardContext(self.attn_backend, EAGER_PARAMS_ID)
-        self.buffers = InputBuffers(
-            self.max_num_tokens,
-            self.max_num_reqs,
-            self.attn_backend.max_blocks_per_seq,
-            self.block_size,
-            self.device,
-        )
-        self.graph_runner = GraphRunner(
-            config, platform, self.buffers, {FULL_ATTENTION: self.attn_backend}
-        )
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        # Made by load_model, which learns the model's attention groups: the backends,
+        # the persistent buffers (a block table per KV cache group) and the graph runner.
+        self.groups: AttentionGroups | None = None
+        self.attn_backend: AttentionBackend | None = None
+        self.buffers: InputBuffers | None = None
+        self.graph_runner: GraphRunner | None = None
         self.sampler = Sampler()
         self._sampling_statics = BatchStaticsCache()
         # What the runner knows of each request (from the scheduler's data only).
@@ -98,17 +83,50 @@ class ModelRunner:
     # ---------------------------------------------------------------- start-up
 
     def load_model(self, path: object = None) -> None:
+        """Load the weights, then set up what follows from the model's attention groups."""
         mc = self.config.model_config
         self.model = get_model(mc, self.hf_config, self.dtype, self.device, path)
+        groups = self.groups = build_attention_groups(
+            self.model, get_attn_backend(self.platform), self.block_size, self.max_model_len
+        )
+        self.attn_backend = groups.first
+        # Eager steps and graph replays run in this context (a graph's attention reads
+        # the params id baked into it; eager attention reads EAGER_PARAMS_ID's).
+        self._eager_context = ForwardContext(
+            groups.first,
+            EAGER_PARAMS_ID,
+            layer_backends=groups.layer_backends if len(groups.backends) > 1 else None,
+        )
+        self.buffers = InputBuffers(
+            self.max_num_tokens,
+            self.max_num_reqs,
+            self.max_blocks_per_seq,
+            self.block_size,
+            self.device,
+            num_kv_groups=len(groups.kv_cache_groups),
+        )
+        self.graph_runner = GraphRunner(
+            self.config, self.platform, self.buffers, groups.backends, self._eager_context
+        )
 
-    def kv_cache_bytes_per_block(self) -> int:
+    @property
+    def kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        """The model's KV cache groups (after load_model)."""
+        return self.groups.kv_cache_groups
+
+    def kv_cache_bytes_per_block(self, group: int | None = None) -> int:
+        """Bytes of one block of KV cache group `group` (its layers' K and V); of every
+        layer when `group` is None."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+        layers = (
+            self.num_layers if group is None else len(self.kv_cache_groups[group].layer_indices)
+        )
+        return 2 * layers * self.block_size * self.num_kv_heads * self.head_size * elem
 
     def workspace_bytes(self, max_num_reqs: int) -> int:
         """Attention gather workspace: max_num_reqs contexts of max_model_len, K and V."""
         per_block = self.kv_cache_bytes_per_block() // self.num_layers
-        return max_num_reqs * self.attn_backend.max_blocks_per_seq * per_block
+        return max_num_reqs * self.max_blocks_per_seq * per_block
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -120,7 +138,8 @@ class ModelRunner:
         self.platform.reset_peak_memory()
         before = self.platform.memory_allocated()
         batch = InputBatch.make_dummy(0, n, False, self.buffers)
-        self.attn_backend.set_eager_metadata(batch.attention_metadata(self.buffers))
+        for g, backend in enumerate(self.groups.backends.values()):
+            backend.set_eager_metadata(batch.attention_metadata(self.buffers, g))
         with set_forward_context(self._eager_context):
             hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
             self.model.compute_logits(hidden[: self.max_num_reqs])
@@ -128,18 +147,26 @@ class ModelRunner:
         # Activation peak of the largest batch; graphs keep their own pool of about this.
         self.profile_peak_bytes = max(0, self.platform.peak_memory_allocated() - before)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, self.head_size
-        )
+    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
+        """K and V caches of `num_blocks` blocks for every layer of each KV cache group
+        (one count per group, or one for all)."""
+        groups = self.kv_cache_groups
+        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else num_blocks
         new = self.platform.allocate_kv_cache
-        caches = [
-            (new(shape, self.dtype, self.device), new(shape, self.dtype, self.device))
-            for _ in range(self.num_layers)
-        ]
-        self.num_blocks = num_blocks
-        self.attn_backend.bind_kv_caches(caches)
-        self.attn_backend.allocate_workspace(self.max_num_reqs, self.dtype, self.device)
+        for group, count, backend in zip(
+            groups, counts, self.groups.backends.values(), strict=True
+        ):
+            shape = backend.get_kv_cache_shape(
+                count, self.block_size, self.num_kv_heads, self.head_size
+            )
+            caches = [
+                (new(shape, self.dtype, self.device), new(shape, self.dtype, self.device))
+                for _ in group.layer_indices
+            ]
+            backend.bind_kv_caches(caches, group.layer_indices)
+            backend.allocate_workspace(self.max_num_reqs, self.dtype, self.device)
+        self.num_blocks = counts[0]
+        self.num_blocks_per_group = list(counts)
 
     def resolve_graph_mode(self) -> CUDAGraphMode:
         return self.graph_runner.resolve()
@@ -155,8 +182,13 @@ class ModelRunner:
         dummy requests; a mixed key's one dummy request leaves its other rows as padding."""
         num_reqs = key.num_tokens if key.uniform else 1
         batch = InputBatch.make_dummy(num_reqs, key.num_tokens, key.uniform, self.buffers, mode)
+        return self._attention_metadata(batch)
+
+    def _attention_metadata(self, batch: InputBatch) -> dict[str, AttentionMetadata]:
+        """Each attention group's metadata for `batch`, by group name."""
         return {
-            name: batch.attention_metadata(self.buffers) for name in self.graph_runner.attn_groups
+            name: batch.attention_metadata(self.buffers, g)
+            for g, name in enumerate(self.groups.backends)
         }
 
     # ---------------------------------------------------------------- per step
@@ -207,15 +239,15 @@ class ModelRunner:
         """Logits for each request's last scheduled token ([num_reqs, vocab]), and their
         greedy ids where a full decode graph computed them (else None)."""
         mode, key, n = batch.runtime_mode, batch.batch_descriptor, batch.num_reqs
-        metadata = batch.attention_metadata(self.buffers)
         b = self.buffers
         with set_forward_context(self._eager_context):
             if mode is RuntimeMode.NONE:
-                self.attn_backend.set_eager_metadata(metadata)
+                for g, backend in enumerate(self.groups.backends.values()):
+                    backend.set_eager_metadata(batch.attention_metadata(b, g))
                 t = batch.num_tokens
                 hidden = self.model(b.input_ids.gpu[:t], b.positions.gpu[:t])
             else:
-                out = self.graph_runner.replay(mode, key, {FULL_ATTENTION: metadata})
+                out = self.graph_runner.replay(mode, key, self._attention_metadata(batch))
                 if mode is RuntimeMode.FULL and key.uniform:
                     logits, greedy_ids = out
                     if logits.shape[0] == n:

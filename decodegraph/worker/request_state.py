@@ -25,8 +25,10 @@ class CachedRequestState:
     eos_token_id: int | None
     # Per-request RNG for `seed`; None uses torch's global generator.
     generator: torch.Generator | None
-    # Its block table: the KV-cache blocks of its tokens, in order.
-    block_ids: list[int]
+    # Per KV cache group, its block table: the blocks of its tokens, in order. (A
+    # sliding-window group's entries before the window may name blocks the scheduler
+    # freed: no attention reads them.)
+    block_ids: tuple[list[int], ...]
     # Tokens in the KV cache: set from the scheduler's data when the request arrives or
     # resumes, advanced by the runner as each step computes (InputBatch.prepare).
     num_computed_tokens: int
@@ -45,7 +47,7 @@ class CachedRequestState:
             sampling_params=new.sampling_params,
             eos_token_id=new.eos_token_id,
             generator=generator,
-            block_ids=list(new.block_ids),
+            block_ids=tuple(list(ids) for ids in new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             all_token_ids=list(new.prompt_token_ids),
         )
@@ -109,9 +111,10 @@ class RequestStates:
         ):
             state = states[req_id]
             if resumed:
-                state.block_ids = list(new_block_ids)
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
                 state.num_computed_tokens = num_computed
                 replaced.add(req_id)
             else:
-                state.block_ids.extend(new_block_ids)
+                for table, ids in zip(state.block_ids, new_block_ids, strict=True):
+                    table.extend(ids)
         return [states[req_id] for req_id in so.req_ids], replaced

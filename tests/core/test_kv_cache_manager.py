@@ -26,8 +26,10 @@ def compute_all(kv: KVCacheManager, request: Request) -> None:
 def test_allocation_rounds_tokens_up_to_blocks() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     req = make_request("a", list(range(9)))
-    new_blocks = kv.allocate_slots(req, 9)
-    assert new_blocks is not None and len(new_blocks) == 3
+    new = kv.allocate_slots(req, 9)
+    assert new is not None and len(new) == 1  # one KV cache group
+    (new_blocks,) = new
+    assert len(new_blocks) == 3
     assert kv.get_block_ids("a") == [b.block_id for b in new_blocks]
     assert 0 not in kv.get_block_ids("a")
     assert kv.num_free_blocks == 9 - 3
@@ -39,11 +41,11 @@ def test_decode_allocates_a_block_only_when_the_last_one_is_full() -> None:
     kv.allocate_slots(req, 7)
     req.num_computed_tokens = 7
     req.append_output_token(100)
-    assert kv.allocate_slots(req, 1) == []  # token 8 fits in block 2
+    assert not any(kv.allocate_slots(req, 1))  # token 8 fits in block 2
     req.num_computed_tokens = 8
     req.append_output_token(101)
     new = kv.allocate_slots(req, 1)
-    assert new is not None and len(new) == 1
+    assert new is not None and len(new[0]) == 1
     assert len(kv.get_block_ids("a")) == 3
 
 
@@ -79,7 +81,7 @@ def test_prefix_hit_leaves_the_last_token_to_compute() -> None:
     blocks, num_computed = kv.get_computed_blocks(b)
     # Both blocks are cached, but the last token must run to produce logits: only
     # the first block can be reused (b.num_tokens - 1 = 7 tokens -> 1 full block).
-    assert num_computed == 4 and len(blocks) == 1
+    assert num_computed == 4 and len(blocks[0]) == 1
 
 
 def test_prefix_hit_survives_free_until_eviction() -> None:
@@ -96,7 +98,8 @@ def test_prefix_hit_survives_free_until_eviction() -> None:
     c = make_request("c", list(range(50, 61)))
     assert admit(kv, c) == 0
     d = make_request("d", list(range(9)))
-    assert kv.get_computed_blocks(d) == ([], 0)
+    blocks, num_computed = kv.get_computed_blocks(d)
+    assert num_computed == 0 and not any(blocks)
 
 
 def test_cached_hits_in_the_free_queue_count_against_free_blocks() -> None:
@@ -110,7 +113,7 @@ def test_cached_hits_in_the_free_queue_count_against_free_blocks() -> None:
     blocks, num_computed = kv.get_computed_blocks(b)
     assert num_computed == 8
     assert kv.allocate_slots(b, b.num_tokens - num_computed, blocks) is None
-    assert kv.num_free_blocks == 3 and all(blk.ref_cnt == 0 for blk in blocks)
+    assert kv.num_free_blocks == 3 and all(blk.ref_cnt == 0 for blk in blocks[0])
 
 
 def test_caching_disabled_never_hits() -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 from decodegraph.config import CacheConfig, SchedulerConfig
+from decodegraph.core.kv_cache_spec import KVCacheGroupSpec, full_attention_groups
 from decodegraph.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.outputs import Logprob
@@ -25,16 +26,29 @@ BLOCK_SIZE = 4
 
 
 class KVModel:
-    """Test driver: a fake model over a simulated paged KV cache (token ids as K/V).
+    """Test driver: a fake model over simulated paged KV caches (token ids as K/V), one
+    per KV cache group.
 
     Like the real model runner it sees only the scheduler's plain data: it keeps its own
-    state per request (tokens, block table) from `NewRequestData`, the per-step deltas
-    and the tokens it samples, so a wrong delta changes the output too."""
+    state per request (tokens, a block table per group) from `NewRequestData`, the
+    per-step deltas and the tokens it samples, so a wrong delta changes the output too.
+    A token is a function of the context read back through every group's table: all of
+    it through a full-attention group, the last W positions through a sliding-window
+    group (whose blocks before the window it never reads: the scheduler freed them)."""
 
-    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        num_blocks: int | list[int],
+        block_size: int = BLOCK_SIZE,
+        groups: list[KVCacheGroupSpec] | None = None,
+    ) -> None:
         self.block_size = block_size
-        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        # req id -> [tokens, block table, computed tokens]
+        self.groups = groups or full_attention_groups(block_size, 1)
+        sizes = num_blocks if isinstance(num_blocks, list) else [num_blocks] * len(self.groups)
+        self.kv: list[list[list[int | None]]] = [
+            [[None] * block_size for _ in range(n)] for n in sizes
+        ]
+        # req id -> [tokens, block table per group, computed tokens]
         self.states: dict[str, list] = {}
 
     def _update(self, so: SchedulerOutput) -> None:
@@ -43,7 +57,8 @@ class KVModel:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states
             tokens = list(new.prompt_token_ids)
-            self.states[new.req_id] = [tokens, list(new.block_ids), new.num_computed_tokens]
+            tables = [list(ids) for ids in new.block_ids]
+            self.states[new.req_id] = [tokens, tables, new.num_computed_tokens]
         cached = so.scheduled_cached_reqs
         for req_id, resumed, blocks, computed in zip(
             cached.req_ids,
@@ -54,10 +69,14 @@ class KVModel:
         ):
             state = self.states[req_id]
             if resumed:
-                state[1] = list(blocks)
+                state[1] = [list(ids) for ids in blocks]
                 state[2] = computed
             else:
-                state[1].extend(blocks)
+                for table, ids in zip(state[1], blocks, strict=True):
+                    table.extend(ids)
+
+    def _window(self, group: KVCacheGroupSpec) -> int | None:
+        return getattr(group.spec, "sliding_window", None)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
@@ -65,19 +84,25 @@ class KVModel:
         self._update(so)
         sampled: list[int | None] = []
         for req_id, n in zip(so.req_ids, so.num_scheduled_tokens, strict=True):
-            tokens, table, computed = self.states[req_id]
+            tokens, tables, computed = self.states[req_id]
             start, end = computed, computed + n
             assert 0 < n and end <= len(tokens)
-            assert len(table) * bs >= end and 0 not in table
-            for pos in range(start, end):
-                self.kv[table[pos // bs]][pos % bs] = tokens[pos]
+            seen = []
+            for group, table, kv in zip(self.groups, tables, self.kv, strict=True):
+                window = self._window(group)
+                first = max(0, start - window + 1) if window else 0  # the first query's
+                assert len(table) * bs >= end and 0 not in table[first // bs :]
+                for pos in range(start, end):
+                    kv[table[pos // bs]][pos % bs] = tokens[pos]
+                lo = max(0, end - window) if window else 0
+                seen.append([kv[table[p // bs]][p % bs] for p in range(lo, end)])
             self.states[req_id][2] = end  # what it computed, as the runner counts
             if end < len(tokens):
                 sampled.append(None)
                 continue
-            context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
-            assert None not in context
-            token = (sum(context) * 31 + len(context)) % 500 + 10  # type: ignore[arg-type]
+            assert all(None not in context for context in seen)
+            token = sum((sum(c) * 31 + len(c)) * (7 * g + 1) for g, c in enumerate(seen))
+            token = token % 500 + 10
             tokens.append(token)
             sampled.append(token)
         return ModelRunnerOutput(list(so.req_ids), sampled)
@@ -119,8 +144,9 @@ def run_to_completion(sched: Scheduler, model: KVModel, max_steps: int = 500) ->
 
 def assert_all_blocks_free(sched: Scheduler) -> None:
     kv = sched.kv_cache_manager
-    assert kv.num_free_blocks == kv.block_pool.num_blocks - 1
-    assert sched.kv_cache_usage == 0.0 and not kv.req_to_blocks
+    for m in kv.managers:  # every KV cache group
+        assert m.pool.num_free_blocks == m.pool.num_blocks - 1 and not m.req_to_blocks
+    assert sched.kv_cache_usage == 0.0
 
 
 def reference_outputs(prompts: dict[str, list[int]], **params) -> dict[str, list[int]]:
@@ -299,13 +325,13 @@ def test_the_runner_gets_plain_data_new_requests_once_then_deltas() -> None:
     assert _plain(so)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["a", "b"]
     assert so.scheduled_new_reqs[0].prompt_token_ids == [1, 1, 1, 1]
-    table_a = so.scheduled_new_reqs[0].block_ids
+    (table_a,) = so.scheduled_new_reqs[0].block_ids  # one KV cache group
     assert len(table_a) == 1 and so.scheduled_cached_reqs.req_ids == []
     so, _ = step(sched, model)
     cached = so.scheduled_cached_reqs
     assert so.scheduled_new_reqs == [] and cached.req_ids == ["a", "b"] == so.req_ids
     assert cached.num_computed_tokens == [4, 4] and cached.resumed_from_preemption == [False] * 2
-    assert all(len(blocks) == 1 for blocks in cached.new_block_ids)
+    assert all(len(blocks) == 1 and len(blocks[0]) == 1 for blocks in cached.new_block_ids)
     so, _ = step(sched, model)
     assert so.req_ids == ["a", "b"]
     assert so.scheduled_cached_reqs.req_ids == []  # room left in their blocks: no deltas
@@ -320,7 +346,7 @@ def test_the_runner_gets_plain_data_new_requests_once_then_deltas() -> None:
     resumed_at = b.num_computed_tokens - so.num_scheduled_tokens[so.req_ids.index("b")]
     assert cached.resumed_from_preemption[i] and cached.num_computed_tokens[i] == resumed_at
     assert resumed_at % BLOCK_SIZE == 0
-    assert cached.new_block_ids[i] == sched.kv_cache_manager.get_block_ids("b")
+    assert cached.new_block_ids[i] == (sched.kv_cache_manager.get_block_ids("b"),)
     assert "b" not in [n.req_id for n in so.scheduled_new_reqs]
     run_to_completion(sched, model)
     assert [r.num_output_tokens for r in (a, b, c)] == [8, 8, 8]

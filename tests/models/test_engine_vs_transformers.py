@@ -117,21 +117,19 @@ def test_dtype_auto_reads_a_half_checkpoint_and_greedy_ids_match_transformers(
         assert gap <= HALF_TIE, f"step {step}: {got[step]} vs {want[step]}, {gap:.4f} apart"
 
 
-def test_a_sliding_window_model_within_its_window_matches_transformers(tmp_path: Path) -> None:
-    """Mistral-7B-v0.1 style: window shorter than the context. With max_model_len at most
-    the window, attention is exact; a longer max_model_len is refused, naming the fix."""
-    path = make_checkpoint(tmp_path, "mistral", sliding_window=64)
-    with pytest.raises(NotImplementedError, match="max_model_len <= 64"):
-        LLM(str(path), skip_tokenizer_init=True, max_model_len=128)
-    llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=64)
-    params = greedy(24)
+def test_a_window_shorter_than_the_context_matches_transformers_past_it(
+    tmp_path: Path,
+) -> None:
+    """Mistral-7B-v0.1 style: the window (24) is shorter than max_model_len (128); the
+    prompt alone is longer than the window and generation goes far past it."""
+    path = make_checkpoint(tmp_path, "mistral", sliding_window=24)
+    llm = LLM(str(path), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128)
+    assert [g.name for g in llm.llm_engine.runner.kv_cache_groups] == ["sliding_attention"]
     prompt = PROMPTS[3][:36]
-    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    got = llm.generate([{"prompt_token_ids": prompt}], greedy(60), use_tqdm=False)[0]
     ref = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    with torch.no_grad():
-        want = ref.generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
-        )[0, len(prompt) :].tolist()
+    ref.generation_config.eos_token_id = None
+    want, _ = hf_generate(ref, prompt, num_tokens=60)
     assert got.outputs[0].token_ids == want

@@ -9,8 +9,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import AutoModelForCausalLM
 
+from decodegraph.attention.layer import Attention
 from decodegraph.config import ModelConfig
-from decodegraph.models.llama import LlamaForCausalLM
+from decodegraph.models.llama import LlamaForCausalLM, layer_sliding_window
 from decodegraph.models.loader import get_model, load_hf_config
 from tests.utils.checkpoints import CHECKPOINTS, VOCAB_SIZE, make_checkpoint, make_hf_config
 
@@ -120,20 +121,13 @@ def test_forward_traces_with_make_fx_and_replays_exactly(checkpoints: dict[str, 
         torch.testing.assert_close(graph(other_ids, other_pos), model(other_ids, other_pos))
 
 
-def test_sliding_window_smaller_than_context_is_refused() -> None:
-    config = make_hf_config("mistral", sliding_window=64)
-    with pytest.raises(NotImplementedError, match="sliding_window=64"):
-        LlamaForCausalLM(config)
-
-
-def test_sliding_window_covering_the_context_is_accepted() -> None:
-    config = make_hf_config("mistral", sliding_window=256)
-    assert isinstance(LlamaForCausalLM(config), LlamaForCausalLM)
-
-
-def test_sliding_window_covering_max_model_len_is_accepted() -> None:
-    """Mistral-7B-v0.1 style (window 4096 < 32k context): exact within the window."""
-    config = make_hf_config("mistral", sliding_window=64)
-    assert isinstance(LlamaForCausalLM(config, max_model_len=64), LlamaForCausalLM)
-    with pytest.raises(NotImplementedError, match="max_model_len <= 64"):
-        LlamaForCausalLM(config, max_model_len=65)
+def test_each_layer_gets_the_window_transformers_applies_to_it() -> None:
+    mistral = make_hf_config("mistral", sliding_window=64)
+    assert [layer_sliding_window(mistral, i) for i in range(2)] == [64, 64]
+    qwen2 = make_hf_config("qwen2-window")  # use_sliding_window, max_window_layers=2
+    assert [layer_sliding_window(qwen2, i) for i in range(4)] == [None, None, 10, 10]
+    plain = make_hf_config("qwen2")  # no use_sliding_window: no window anywhere
+    assert [layer_sliding_window(plain, i) for i in range(2)] == [None, None]
+    model = LlamaForCausalLM(mistral)
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    assert windows == [64, 64]

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -36,6 +38,16 @@ _BASE: dict[str, Any] = {
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
+}
+
+# What Gemma 2 and 3 need beyond _BASE (tied embeddings, as their checkpoints are).
+_GEMMA: dict[str, Any] = {
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 9,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
 }
 
 # name -> (config class, architecture, settings over _BASE)
@@ -76,6 +88,40 @@ CHECKPOINTS: dict[str, tuple[type[PretrainedConfig], str, dict[str, Any]]] = {
         },
     ),
     "mistral": (MistralConfig, "MistralForCausalLM", {"sliding_window": None}),
+    # Windows shorter than the tests' prompts, so that every layer kind is exercised.
+    "mistral-window": (MistralConfig, "MistralForCausalLM", {"sliding_window": 12}),
+    "qwen2-window": (
+        Qwen2Config,
+        "Qwen2ForCausalLM",
+        {
+            "num_hidden_layers": 4,
+            "use_sliding_window": True,
+            "sliding_window": 10,
+            "max_window_layers": 2,
+            "rope_parameters": {"rope_theta": 1e6},
+        },
+    ),
+    "gemma2": (
+        Gemma2Config,
+        "Gemma2ForCausalLM",
+        {**_GEMMA, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 15.0},
+    ),  # fmt: skip
+    "gemma3": (
+        Gemma3TextConfig,
+        "Gemma3ForCausalLM",
+        {
+            **_GEMMA,
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention"] * 2
+            + ["full_attention"]
+            + ["sliding_attention"] * 2
+            + ["full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+    ),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", {"rope_parameters": {"rope_theta": 1e6}}),
     "qwen3": (
         Qwen3Config,

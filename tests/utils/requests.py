@@ -42,7 +42,7 @@ def make_request_state(
     prompt = list(prompt or [1, 2, 3])
     generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
     state = CachedRequestState(
-        req_id, prompt, sp, eos, generator, [], 0, all_token_ids=list(prompt)
+        req_id, prompt, sp, eos, generator, ([],), 0, all_token_ids=list(prompt)
     )
     for token in output or []:
         state.append_output_token(token)

@@ -21,7 +21,14 @@ def _buffers(max_tokens: int = 16, max_reqs: int = 6) -> InputBuffers:
 
 def _state(req_id: str, tokens: list[int], computed: int, blocks: list[int]) -> CachedRequestState:
     return CachedRequestState(
-        req_id, tokens, SamplingParams(), None, None, blocks, computed, all_token_ids=list(tokens)
+        req_id,
+        tokens,
+        SamplingParams(),
+        None,
+        None,
+        (blocks,),
+        computed,
+        all_token_ids=list(tokens),
     )
 
 

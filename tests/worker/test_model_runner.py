@@ -43,7 +43,7 @@ def run_by_hand(runner: ModelRunner, prompts: list[list[int]], max_tokens: int) 
     token each; four blocks per request, handed out up front."""
     ids = [str(i) for i in range(len(prompts))]
     news = [
-        NewRequestData(rid, p, greedy(max_tokens), None, [1 + 4 * i + j for j in range(4)], 0)
+        NewRequestData(rid, p, greedy(max_tokens), None, ([1 + 4 * i + j for j in range(4)],), 0)
         for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
     ]
     counts = [len(p) for p in prompts]

@@ -12,7 +12,7 @@ CPU = torch.device("cpu")
 
 
 def _new(req_id: str, prompt: list[int], blocks: list[int], **params: object) -> NewRequestData:
-    return NewRequestData(req_id, prompt, SamplingParams(**params), 2, blocks, 0)  # type: ignore[arg-type]
+    return NewRequestData(req_id, prompt, SamplingParams(**params), 2, (blocks,), 0)  # type: ignore[arg-type]
 
 
 def _step(req_ids: list[str], counts: list[int], **fields: object) -> SchedulerOutput:
@@ -28,18 +28,18 @@ def test_a_new_request_is_learned_once_then_updated_by_deltas() -> None:
     assert (a.req_id, a.all_token_ids, a.block_ids, a.num_computed_tokens) == (
         "a",
         [1, 5, 6],
-        [7],
+        ([7],),
         0,
     )
     assert a.eos_token_id == 2 and replaced == set()
     a.append_output_token(9)  # what the runner samples, it appends itself
     a.num_computed_tokens = 3  # what the runner's step computed (InputBatch.prepare)
     batch, _ = states.update(_step(["a"], [1]))  # no delta: nothing changes
-    assert batch == [a] and a.num_computed_tokens == 3 and a.block_ids == [7]
+    assert batch == [a] and a.num_computed_tokens == 3 and a.block_ids == ([7],)
     cached = CachedRequestData()
-    cached.append("a", False, [8], 4)
+    cached.append("a", False, ([8],), 4)
     states.update(_step(["a"], [1], scheduled_cached_reqs=cached))
-    assert a.block_ids == [7, 8] and a.all_token_ids == [1, 5, 6, 9]
+    assert a.block_ids == ([7, 8],) and a.all_token_ids == [1, 5, 6, 9]
 
 
 def test_a_resumed_request_gets_its_whole_new_table_and_keeps_its_tokens() -> None:
@@ -47,11 +47,11 @@ def test_a_resumed_request_gets_its_whole_new_table_and_keeps_its_tokens() -> No
     states.update(_step(["a"], [2], scheduled_new_reqs=[_new("a", [1, 5], [3, 4])]))
     states["a"].append_output_token(11)
     cached = CachedRequestData()
-    cached.append("a", True, [9, 10], 0)
+    cached.append("a", True, ([9, 10],), 0)
     batch, replaced = states.update(
         _step(["a"], [3], scheduled_cached_reqs=cached, preempted_req_ids=set())
     )
-    assert batch[0].block_ids == [9, 10] and batch[0].num_computed_tokens == 0
+    assert batch[0].block_ids == ([9, 10],) and batch[0].num_computed_tokens == 0
     assert batch[0].all_token_ids == [1, 5, 11] and replaced == {"a"}
 
 

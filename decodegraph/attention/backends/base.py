@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -119,6 +120,8 @@ class AttentionBackend:
         # One K and one V tensor per layer, shaped by get_kv_cache_shape (separate
         # tensors: writes through views of one big tensor copy it when compiled).
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Global layer index -> its (K, V) caches, None for other groups' layers.
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         # params id -> metadata: the eager step's at EAGER_PARAMS_ID, then one per graph.
         self.params: list[AttentionMetadata | None] = [None]
 
@@ -139,8 +142,18 @@ class AttentionBackend:
         """A cache seen as [blocks, block_size, kv_heads, head_size] (a strided view)."""
         return cache.permute(0, 3, 1, 2)
 
-    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def bind_kv_caches(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_indices: Sequence[int] | None = None,
+    ) -> None:
+        """This backend's layers' caches: `kv_caches[i]` is layer `layer_indices[i]`'s
+        (by default layer i's). Layers of other attention groups have none here."""
+        layers = range(len(kv_caches)) if layer_indices is None else layer_indices
         self.kv_caches = kv_caches
+        self.layer_caches = [None] * (max(layers, default=-1) + 1)
+        for layer, pair in zip(layers, kv_caches, strict=True):
+            self.layer_caches[layer] = pair
 
     def set_eager_metadata(self, metadata: AttentionMetadata) -> None:
         self.params[EAGER_PARAMS_ID] = metadata

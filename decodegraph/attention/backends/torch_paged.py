@@ -19,6 +19,7 @@ block table into a workspace allocated once (sized for max_model_len), and call
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -53,9 +54,16 @@ class CPUAttentionBackend(AttentionBackend):
         self._native_out_op = ops.paged_attention_out.default if ops is not None else None
         self._scores: torch.Tensor | None = None
 
-    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        super().bind_kv_caches(kv_caches)
-        self._token_views = [(self.token_view(k), self.token_view(v)) for k, v in kv_caches]
+    def bind_kv_caches(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_indices: Sequence[int] | None = None,
+    ) -> None:
+        super().bind_kv_caches(kv_caches, layer_indices)
+        self._token_views = [
+            None if pair is None else (self.token_view(pair[0]), self.token_view(pair[1]))
+            for pair in self.layer_caches
+        ]
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
@@ -113,7 +121,7 @@ class CPUAttentionBackend(AttentionBackend):
         md = self.params[params_id]
         if self._native_op is None or md.num_actual_tokens == 0:
             return None
-        k_cache, v_cache = self.kv_caches[layer_idx]
+        k_cache, v_cache = self.layer_caches[layer_idx]
         if k_cache.dtype not in (torch.float32, torch.bfloat16):
             return None  # float16: the tensor-op path
         args = (
@@ -202,7 +210,6 @@ class CPUAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
-
 
     def _cap(self, scores: torch.Tensor) -> torch.Tensor:
         """Logit soft-capping, in place: cap * tanh(scores / cap)."""

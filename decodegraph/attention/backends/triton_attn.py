@@ -152,7 +152,7 @@ class TritonAttentionBackend(AttentionBackend):
         if md.num_actual_tokens == 0:  # the profiling run: no requests, no caches yet
             output.zero_()
             return
-        k_cache, v_cache = self.kv_caches[layer_idx]
+        k_cache, v_cache = self.layer_caches[layer_idx]
         t = query.shape[0]
         out = output
         kvd = self.num_kv_heads * self.head_size
