@@ -269,7 +269,7 @@ class KVCacheManager:
         if single is not None and new_computed_blocks is None:
             blocks = single.req_to_blocks.get(req_id)
             if blocks is not None and computed + num_new_tokens <= len(blocks) * self.block_size:
-                return _NOTHING_NEW  # a running request whose tokens fit (most decode steps)
+                return NOTHING_NEW  # a running request whose tokens fit (most decode steps)
         hits = new_computed_blocks or tuple(() for _ in self.managers)
         num_hit_tokens = len(hits[0]) * self.block_size if hits and hits[0] else 0
         num_tokens = computed + num_hit_tokens + num_new_tokens
@@ -319,5 +319,6 @@ class KVCacheManager:
         return all([m.pool.reset_prefix_cache() for m in self.managers])
 
 
-# What allocate_slots returns when nothing was allocated (in the only group).
-_NOTHING_NEW: GroupBlocks = ((),)
+# What allocate_slots returns when nothing was allocated (in the only group): callers
+# may test for it by identity.
+NOTHING_NEW: GroupBlocks = ((),)

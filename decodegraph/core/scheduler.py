@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from decodegraph.config import CacheConfig, SchedulerConfig
-from decodegraph.core.kv_cache_manager import GroupBlocks, KVCacheManager
+from decodegraph.core.kv_cache_manager import NOTHING_NEW, GroupBlocks, KVCacheManager
 from decodegraph.core.kv_cache_spec import KVCacheGroupSpec, SlidingWindowSpec
 from decodegraph.core.sched_output import (
     CachedRequestData,
@@ -202,7 +202,7 @@ class Scheduler:
             scheduled.append(request)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            if any(new_blocks):
+            if new_blocks is not NOTHING_NEW and any(new_blocks):
                 cached.append(
                     request.request_id,
                     False,

@@ -41,7 +41,7 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float
     num_free_blocks: int
-    num_blocks: int  # usable blocks (the null block excluded)
+    num_blocks: int  # usable blocks of the first KV cache group (the null block excluded)
     prompt_tokens_total: int
     generation_tokens_total: int
     # Runtime mode name -> steps run in it; and (step kind, mode) -> steps.

@@ -111,7 +111,11 @@ def _graphs(args: argparse.Namespace) -> int:
             "start-up",
             ", ".join(f"{k} {v:.1f} s" for k, v in report["startup_seconds"].items()),
         ),
-        ("KV cache", f"{report['kv_cache_blocks']} blocks of {report['block_size']} tokens"),
+        (
+            "KV cache",
+            ", ".join(f"{name} {n} blocks" for name, n in report["kv_cache_groups"].items())
+            + f" of {report['block_size']} tokens",
+        ),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
@@ -165,6 +169,11 @@ def graphs_report(engine: object) -> dict:
         "capture_memory_bytes": cs.memory_bytes,
         "startup_seconds": {k: round(v, 3) for k, v in engine.startup_seconds.items()},
         "kv_cache_blocks": runner.num_blocks - 1,
+        # KV cache group name -> its usable blocks (a sliding-window group needs few).
+        "kv_cache_groups": {
+            g.name: n - 1
+            for g, n in zip(runner.kv_cache_groups, runner.num_blocks_per_group, strict=True)
+        },
         "block_size": runner.block_size,
     }
 

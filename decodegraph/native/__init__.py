@@ -88,6 +88,10 @@ def _register_fakes() -> None:
     def _(query, *_):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake("decodegraph_cpu::paged_attention_windowed_capped")
+    def _(query, *_):  # noqa: ANN001, ANN202
+        return query.new_empty(query.shape)
+
     @torch.library.register_fake("decodegraph_cpu::paged_attention_out")
     def _(*_):  # noqa: ANN202
         return None

@@ -129,7 +129,10 @@ class InputBatch:
             padded_reqs = b.max_num_reqs
         else:
             padded_reqs = num_reqs
-        ids, pos, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
+        kv_groups = b.kv_groups
+        first_group = kv_groups[0]
+        ids, pos, slots = b.input_ids.np, b.positions.np, first_group.slot_mapping.np
+        write_row = first_group.write_row
         seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
         seq_lens_cpu: list[int] = []
         sample_rows: list[int] = []
@@ -151,14 +154,15 @@ class InputBatch:
             state.num_computed_tokens = end  # this step computes them
             seq_lens[i] = end
             seq_lens_cpu.append(end)
-            b.write_block_row(i, state.req_id, block_ids)
+            write_row(i, state.req_id, block_ids)
             start += n
             qsl[i + 1] = start
             logits_idx[i] = start - 1
             if end == len(tokens):
                 sample_rows.append(i)
-        for g in range(1, len(b.kv_groups)):  # the other KV cache groups' tables
-            _write_group(b.kv_groups[g], g, states, counts, bs)
+        if len(kv_groups) > 1:  # the other KV cache groups' tables
+            for g in range(1, len(kv_groups)):
+                _write_group(kv_groups[g], g, states, counts, bs)
         # Padding (docs/design.md §5) and stale tails.
         if padded_tokens > num_tokens:
             ids[num_tokens:padded_tokens] = 0

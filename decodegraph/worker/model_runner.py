@@ -90,6 +90,7 @@ class ModelRunner:
             self.model, get_attn_backend(self.platform), self.block_size, self.max_model_len
         )
         self.attn_backend = groups.first
+        self._group_names = list(groups.backends)
         # Eager steps and graph replays run in this context (a graph's attention reads
         # the params id baked into it; eager attention reads EAGER_PARAMS_ID's).
         self._eager_context = ForwardContext(
@@ -186,10 +187,10 @@ class ModelRunner:
 
     def _attention_metadata(self, batch: InputBatch) -> dict[str, AttentionMetadata]:
         """Each attention group's metadata for `batch`, by group name."""
-        return {
-            name: batch.attention_metadata(self.buffers, g)
-            for g, name in enumerate(self.groups.backends)
-        }
+        names = self._group_names
+        if len(names) == 1:
+            return {names[0]: batch.attention_metadata(self.buffers)}
+        return {name: batch.attention_metadata(self.buffers, g) for g, name in enumerate(names)}
 
     # ---------------------------------------------------------------- per step
 

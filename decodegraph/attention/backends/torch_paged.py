@@ -50,7 +50,12 @@ class CPUAttentionBackend(AttentionBackend):
         # by (block, offset) and gathers of whole blocks.
         self._token_views: list[tuple[torch.Tensor, torch.Tensor]] = []
         ops = load_cpu_ops() if self.use_native_kernel else None
-        self._native_op = ops.paged_attention.default if ops is not None else None
+        # Full attention without soft-capping takes the operator with fewer arguments.
+        self._plain = not self.sliding_window and not self.logits_soft_cap
+        self._native_op = None
+        if ops is not None:
+            plain, extended = ops.paged_attention, ops.paged_attention_windowed_capped
+            self._native_op = (plain if self._plain else extended).default
         self._native_out_op = ops.paged_attention_out.default if ops is not None else None
         self._scores: torch.Tensor | None = None
 
@@ -101,6 +106,8 @@ class CPUAttentionBackend(AttentionBackend):
         direct = self.native_op_args(layer_idx, params_id)
         if direct is not None:
             _, args = direct
+            if self._plain:
+                args += (0, 0.0)
             self._native_out_op(query, key, value, *args, output)
             return
         # Padded rows sit at the tail; writing only the first n rows skips them.
@@ -134,9 +141,9 @@ class CPUAttentionBackend(AttentionBackend):
             md.num_reqs_host,
             self.scale,
             self._scores,
-            self.sliding_window or 0,
-            self.logits_soft_cap or 0.0,
         )
+        if not self._plain:
+            args += (self.sliding_window or 0, self.logits_soft_cap or 0.0)
         return self._native_op, args
 
     def _write(

@@ -143,18 +143,30 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
     });
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
-                           const at::Tensor& value, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                           const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
-                           double scale, const at::Tensor& workspace, int64_t sliding_window,
-                           double logits_soft_cap) {
+at::Tensor paged_attention_windowed_capped(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+    const at::Tensor& num_reqs_host, double scale, const at::Tensor& workspace,
+    int64_t sliding_window, double logits_soft_cap) {
     auto out = at::empty({query.size(0), query.size(1)}, query.options());
     paged_attention_out(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
                         query_start_loc, seq_lens, num_reqs_host, scale, workspace,
                         sliding_window, logits_soft_cap, out);
     return out;
+}
+
+// Full attention without soft-capping: two arguments fewer to box per call, which a
+// compiled batch-1 graph makes once per layer.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
+                           const at::Tensor& value, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                           const at::Tensor& seq_lens, const at::Tensor& num_reqs_host,
+                           double scale, const at::Tensor& workspace) {
+    return paged_attention_windowed_capped(query, key, value, k_cache, v_cache, slot_mapping,
+                                           block_tables, query_start_loc, seq_lens,
+                                           num_reqs_host, scale, workspace, 0, 0.0);
 }
 
 // aten's grain size for pointwise ops (at::internal::GRAIN_SIZE): values per thread below
@@ -251,8 +263,12 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("silu_and_mul(Tensor x) -> Tensor");
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
-          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace, "
-          "int sliding_window, float logits_soft_cap) -> Tensor");
+          "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
+    // With a sliding window (0: none) and logit soft-capping (0: none).
+    m.def("paged_attention_windowed_capped(Tensor query, Tensor key, Tensor value, "
+          "Tensor k_cache, Tensor v_cache, Tensor slot_mapping, Tensor block_tables, "
+          "Tensor query_start_loc, Tensor seq_lens, Tensor num_reqs, float scale, "
+          "Tensor workspace, int sliding_window, float logits_soft_cap) -> Tensor");
     // The same, into a given output (what a piecewise graph's eager attention calls).
     m.def("paged_attention_out(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
@@ -262,6 +278,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
 
 TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("paged_attention", &paged_attention);
+    m.impl("paged_attention_windowed_capped", &paged_attention_windowed_capped);
     m.impl("paged_attention_out", &paged_attention_out);
     m.impl("rms_norm", &rms_norm);
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
