@@ -48,8 +48,8 @@ class CachedRequestData:
     resumed_from_preemption: list[bool] = field(default_factory=list)
     # Per KV cache group, blocks appended since the previous step (the whole table when
     # resumed). A sliding-window group's table also had blocks before the window freed
-    # (null in the scheduler's table): the runner's copy keeps their old ids, which no
-    # attention reads.
+    # (null in the scheduler's table): the runner's copy keeps their old ids, which the
+    # native and Triton kernels never read and the tensor-op fallback masks out.
     new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     # Tokens in the KV cache before this step (a resumed request's prefix-cache hit).
     num_computed_tokens: list[int] = field(default_factory=list)
