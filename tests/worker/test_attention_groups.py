@@ -119,7 +119,7 @@ def test_a_prefix_hit_gives_the_solo_runs_ids(arch: str, checkpoints: dict[str, 
 
 
 @pytest.mark.parametrize("mode", GRAPH_MODES)
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral-window"])
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_every_graph_mode_matches_mode_none(
     arch: str, mode: str, checkpoints: dict[str, Path]
 ) -> None:
