@@ -12,7 +12,8 @@ sliding-window group frees the blocks that fell wholly out of the window as a re
 advances (its table keeps the null block there), so its memory stays O(window) per
 request. A prefix-cache hit must hold in every group: the full group's hit is the longest
 chain of cached blocks, a sliding group's the longest prefix whose last window of blocks
-is cached, and the request's hit is the shortest of them.
+is cached, and the request's hit the longest length at which every group's holds (a
+group looks again below a shorter group's hit until all agree).
 """
 
 from __future__ import annotations
@@ -232,18 +233,15 @@ class KVCacheManager:
             return empty, 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._update_block_hashes(request, max_blocks)
-        # Each group can shorten the others' hit; two passes settle any mix of groups.
-        length = max_blocks
-        hits = [m.find_hit(hashes, length) for m in self.managers]
-        for _ in range(2):
+        # Each group's hit can shorten the others': look again below the shortest until
+        # all agree (each round is shorter, so this ends; one group agrees at once).
+        hits = [m.find_hit(hashes, max_blocks) for m in self.managers]
+        while True:
             length = min(len(h) for h in hits)
+            if all(len(h) == length for h in hits):
+                return tuple(hits), length * self.block_size
             hits = [h if len(h) == length else m.find_hit(hashes, length)
                     for h, m in zip(hits, self.managers, strict=True)]  # fmt: skip
-        length = min(len(h) for h in hits)
-        hits = [h[:length] for h in hits]
-        if length and any(h[-1] is m.null_block for h, m in zip(hits, self.managers, strict=True)):
-            return empty, 0  # a hit that ends on a freed block holds nothing usable
-        return tuple(hits), length * self.block_size
 
     def allocate_slots(
         self,

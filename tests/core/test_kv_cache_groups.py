@@ -177,6 +177,38 @@ def test_a_sliding_hit_needs_the_windows_blocks_still_cached() -> None:
     assert num_tokens < 20 and len(hits[0]) == len(hits[1]) == num_tokens // BLOCK_SIZE
 
 
+def test_a_hit_across_two_windows_holds_every_groups_window() -> None:
+    """Windows of 2 and 3 blocks whose evicted blocks shorten each other's hit several
+    times over: the hit settles where every group still holds its window (block 4),
+    never on a length where one group's window reaches a freed block."""
+    from decodegraph.core.kv_cache_manager import KVCacheManager
+
+    specs = [
+        KVCacheGroupSpec("full_attention", FullAttentionSpec(BLOCK_SIZE), (0,)),
+        KVCacheGroupSpec("sliding_9", SlidingWindowSpec(BLOCK_SIZE, 2 * BLOCK_SIZE + 1), (1,)),
+        KVCacheGroupSpec("sliding_13", SlidingWindowSpec(BLOCK_SIZE, 3 * BLOCK_SIZE + 1), (2,)),
+    ]
+    assert [g.spec.window_blocks for g in specs[1:]] == [2, 3]
+    kv = KVCacheManager(64, BLOCK_SIZE, True, specs)
+    tokens = [(7 * j) % 41 + 1 for j in range(12 * BLOCK_SIZE + 1)]
+    first = make_request("a", tokens)
+    assert kv.allocate_slots(first, len(tokens), kv.get_computed_blocks(first)[0]) is not None
+    first.num_computed_tokens = len(tokens)
+    kv.cache_full_blocks(first)
+    kv.free(first)
+    hashes = first.block_hashes
+    for manager, evicted in zip(kv.managers[1:], ([7, 10], [4, 8]), strict=True):
+        for i in evicted:
+            manager.pool._evict(manager.pool.get_cached_block(hashes[i]))
+    hits, num_tokens = kv.get_computed_blocks(make_request("b", tokens))
+    length = num_tokens // BLOCK_SIZE
+    assert length == 4 and all(len(h) == length for h in hits)
+    for group, manager, hit in zip(specs, kv.managers, hits, strict=True):
+        need = min(length, getattr(group.spec, "window_blocks", length))
+        for i in range(length - need, length):
+            assert hit[i] is manager.pool.get_cached_block(hashes[i]) is not None
+
+
 def test_a_sliding_group_too_small_for_its_window_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding-window KV cache group"):
         make([64, 3])
