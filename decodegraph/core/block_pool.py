@@ -141,11 +141,10 @@ class BlockPool:
         if not self.enable_caching:
             return
         cache = self.cached_block_hash_to_block
-        null = self.null_block
         for i in range(start, end):
             block = blocks[i]
-            if block.block_hash is not None or block is null:
-                continue  # a prefix-cache hit (already committed), or freed by a window
+            if block.block_hash is not None:
+                continue  # a prefix-cache hit, already committed
             block_hash = block_hashes[i]
             if block_hash not in cache:
                 cache[block_hash] = block

@@ -182,8 +182,23 @@ class KVCacheManager:
             GroupKVCacheManager(g.spec, n, enable_caching)
             for g, n in zip(self.groups, sizes, strict=True)
         ]
-        self._single = self.managers[0] if len(self.managers) == 1 else None
         self._windowed = [m for m in self.managers if m.window is not None]
+        # What allocate_slots returns when nothing was allocated: callers may test for it
+        # by identity.
+        self.nothing_new: GroupBlocks = tuple(() for _ in self.managers)
+        # The most tokens one request can hold in the full-attention groups (None: there
+        # are none), and the most one step can compute for one request in the sliding
+        # groups: its chunk, its window and the block after must fit at once, since a
+        # sliding group frees only blocks that left the window (None: no sliding group).
+        full = [m.pool.num_blocks - 1 for m in self.managers if m.window is None]
+        self.max_request_tokens = min(full) * block_size if full else None
+        self.max_chunk_tokens = min(
+            [
+                (m.pool.num_blocks - 1 - m.window.window_blocks - 1) * block_size
+                for m in self._windowed
+            ],
+            default=None,
+        )
         # Prefix-cache statistics in tokens, counted once per admitted lookup.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -228,9 +243,8 @@ class KVCacheManager:
         produces the logits to sample from. The blocks are not referenced yet: pass them
         to `allocate_slots` before any other allocation.
         """
-        empty: GroupBlocks = tuple(() for _ in self.managers)
         if not self.enable_caching:
-            return empty, 0
+            return self.nothing_new, 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._update_block_hashes(request, max_blocks)
         # Each group's hit can shorten the others': look again below the shortest until
@@ -259,16 +273,16 @@ class KVCacheManager:
         changes nothing) when some group has too few free blocks.
         """
         req_id = request.request_id
-        single = self._single
         computed = request.num_computed_tokens
         for m in self._windowed:
             if req_id in m.req_to_blocks:
                 m.remove_skipped_blocks(req_id, computed)
-        if single is not None and new_computed_blocks is None:
-            blocks = single.req_to_blocks.get(req_id)
+        if new_computed_blocks is None:
+            # Every group's table of a request has the same length: the first one's tells.
+            blocks = self.managers[0].req_to_blocks.get(req_id)
             if blocks is not None and computed + num_new_tokens <= len(blocks) * self.block_size:
-                return NOTHING_NEW  # a running request whose tokens fit (most decode steps)
-        hits = new_computed_blocks or tuple(() for _ in self.managers)
+                return self.nothing_new  # a running request whose tokens fit (most decodes)
+        hits = new_computed_blocks or self.nothing_new
         num_hit_tokens = len(hits[0]) * self.block_size if hits and hits[0] else 0
         num_tokens = computed + num_hit_tokens + num_new_tokens
         for m, hit in zip(self.managers, hits, strict=True):
@@ -315,8 +329,3 @@ class KVCacheManager:
         if any(m.pool.num_free_blocks != m.pool.num_blocks - 1 for m in self.managers):
             return False
         return all([m.pool.reset_prefix_cache() for m in self.managers])
-
-
-# What allocate_slots returns when nothing was allocated (in the only group): callers
-# may test for it by identity.
-NOTHING_NEW: GroupBlocks = ((),)

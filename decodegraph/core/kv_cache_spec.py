@@ -19,10 +19,6 @@ class FullAttentionSpec:
 
     block_size: int
 
-    def blocks_per_request(self, num_tokens: int) -> int:
-        """Blocks a request of `num_tokens` tokens holds at most."""
-        return -(-num_tokens // self.block_size)
-
 
 @dataclass(frozen=True)
 class SlidingWindowSpec:
@@ -44,10 +40,6 @@ class SlidingWindowSpec:
     def first_needed_block(self, num_computed_tokens: int) -> int:
         """The first block the next token's window reaches: those before it are freed."""
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
-
-    def blocks_per_request(self, num_tokens: int) -> int:
-        """Blocks a decoding request holds at most (its window and the block it writes)."""
-        return min(-(-num_tokens // self.block_size), self.window_blocks + 1)
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec

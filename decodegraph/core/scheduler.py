@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from decodegraph.config import CacheConfig, SchedulerConfig
-from decodegraph.core.kv_cache_manager import NOTHING_NEW, GroupBlocks, KVCacheManager
-from decodegraph.core.kv_cache_spec import KVCacheGroupSpec, SlidingWindowSpec
+from decodegraph.core.kv_cache_manager import GroupBlocks, KVCacheManager
+from decodegraph.core.kv_cache_spec import KVCacheGroupSpec
 from decodegraph.core.sched_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -70,8 +70,7 @@ class Scheduler:
         # A request that outgrew the whole cache would preempt itself forever, so cap
         # the length at what the cache holds when that is below max_model_len. A sliding
         # window group holds a request's window, whatever its length.
-        full = [n for g, n in zip(kv.groups, kv.num_blocks, strict=True) if not _windowed(g)]
-        capacity = min(full) * self.block_size if full else max_model_len
+        capacity = kv.max_request_tokens or max_model_len
         if capacity < max_model_len:
             logger.warning(
                 "KV cache holds %d tokens, less than max_model_len %d: requests are "
@@ -81,22 +80,25 @@ class Scheduler:
                 capacity,
             )
         self.max_request_len = min(max_model_len, capacity)
-        # A sliding-window group frees only blocks that left the window: one request's
-        # chunk, its window and the block after must fit in it at once, or a long prompt
-        # would never be scheduled.
-        self.max_chunk_tokens = min(
-            [
-                (n - g.spec.window_blocks - 1) * self.block_size
-                for g, n in zip(kv.groups, kv.num_blocks, strict=True)
-                if _windowed(g)
-            ],
-            default=self.max_num_scheduled_tokens,
-        )
-        if self.max_chunk_tokens < 1:
-            raise ValueError(
-                "num_gpu_blocks_override: a sliding-window KV cache group needs at least "
-                f"{self.max_num_scheduled_tokens} more blocks than its window's"
+        for m, n in zip(kv.managers, kv.num_blocks, strict=True):
+            if m.window is not None and n < m.window.window_blocks + 2:
+                raise ValueError(
+                    "num_gpu_blocks_override: a sliding-window KV cache group needs at least "
+                    f"{m.window.window_blocks + 2} blocks (its window's, the one being "
+                    f"written and one more), got {n}"
+                )
+        # The most tokens one step computes for one request (what a sliding-window group
+        # can hold at once: KVCacheManager.max_chunk_tokens).
+        self.max_chunk_tokens = kv.max_chunk_tokens or self.max_num_scheduled_tokens
+        if not self.enable_chunked_prefill and self.max_chunk_tokens < self.max_request_len:
+            # Without chunks a prompt, or a preempted request's recompute, runs in one step.
+            logger.warning(
+                "a sliding-window KV cache group holds %d tokens of one step: without "
+                "chunked prefill requests are length-capped at %d tokens",
+                self.max_chunk_tokens,
+                self.max_chunk_tokens,
             )
+            self.max_request_len = self.max_chunk_tokens
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -202,7 +204,7 @@ class Scheduler:
             scheduled.append(request)
             req_ids.append(request.request_id)
             num_scheduled.append(num_new)
-            if new_blocks is not NOTHING_NEW and any(new_blocks):
+            if new_blocks is not kv.nothing_new and any(new_blocks):
                 cached.append(
                     request.request_id,
                     False,
@@ -379,7 +381,3 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
-
-
-def _windowed(group: KVCacheGroupSpec) -> bool:
-    return isinstance(group.spec, SlidingWindowSpec)

@@ -143,10 +143,6 @@ class InputBuffers:
             )
         return md
 
-    def write_block_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
-        """Row `row` of the first group's block tables holds `request_id`'s blocks."""
-        self.kv_groups[0].write_row(row, request_id, block_ids)
-
     def forget(self, request_ids: set[str] | frozenset[str]) -> None:
         """Rows of preempted requests must be rewritten: their blocks were replaced."""
         for table in self.kv_groups:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from decodegraph.config import CacheConfig, SchedulerConfig
+from decodegraph.core.kv_cache_manager import KVCacheManager
 from decodegraph.core.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -136,6 +137,26 @@ def test_a_sliding_group_as_the_tight_one_preempts_and_chunks() -> None:
     assert_all_blocks_free(sched)
 
 
+def test_without_chunked_prefill_a_prompt_the_sliding_group_cannot_hold_is_refused() -> None:
+    """One step must hold a whole prompt (or a preempted request's recompute): requests
+    are length-capped at what the sliding group holds, and a longer prompt is refused
+    at once instead of waiting forever."""
+    sched = Scheduler(
+        SchedulerConfig(16, 256, False),
+        CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        max_model_len=256,
+        num_blocks=[64, 7],
+        kv_cache_groups=groups(),
+    )
+    assert sched.max_request_len == sched.max_chunk_tokens == 3 * BLOCK_SIZE
+    with pytest.raises(ValueError, match="exceed the maximum length 12"):
+        sched.add_request(make_request("long", list(range(1, 14))))
+    model = KVModel([64, 7], groups=groups())
+    outputs = run(sched, model, {"a": [3, 1, 4, 1, 5, 9, 2, 6]}, max_tokens=8)
+    assert len(outputs["a"]) == 4  # capped at 12 tokens: 8 prompt + 4 generated
+    assert_all_blocks_free(sched)
+
+
 def test_a_prefix_hit_holds_in_both_groups_and_skips_freed_blocks() -> None:
     """A second request with the first's 20-token prefix hits 4 blocks in the full group;
     in the sliding group only the window's blocks before token 16 matter, the earlier
@@ -181,8 +202,6 @@ def test_a_hit_across_two_windows_holds_every_groups_window() -> None:
     """Windows of 2 and 3 blocks whose evicted blocks shorten each other's hit several
     times over: the hit settles where every group still holds its window (block 4),
     never on a length where one group's window reaches a freed block."""
-    from decodegraph.core.kv_cache_manager import KVCacheManager
-
     specs = [
         KVCacheGroupSpec("full_attention", FullAttentionSpec(BLOCK_SIZE), (0,)),
         KVCacheGroupSpec("sliding_9", SlidingWindowSpec(BLOCK_SIZE, 2 * BLOCK_SIZE + 1), (1,)),
