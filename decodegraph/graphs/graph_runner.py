@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     from decodegraph.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
-# Downgrades are the mode resolution's to report (decodegraph.graphs.modes).
-modes_logger = logging.getLogger("decodegraph.graphs.modes")
 
 GraphKey = tuple[RuntimeMode, BatchDescriptor]
 # Writes a dummy batch for a key into the buffers; returns each attention group's
@@ -76,7 +74,7 @@ class GraphRunner:
         platform: Platform,
         buffers: InputBuffers,
         attn_groups: dict[str, AttentionBackend],
-        eager_context: ForwardContext | None = None,
+        eager_context: ForwardContext,
     ) -> None:
         sc = config.scheduler_config
         self.config = config
@@ -86,8 +84,7 @@ class GraphRunner:
         # Attention group name -> its backend; graph params are refreshed by name.
         self.attn_groups = attn_groups
         # The context steps run in (each layer's backend); captures bake a params id in.
-        first = next(iter(attn_groups.values()))
-        self._eager_context = eager_context or ForwardContext(first, EAGER_PARAMS_ID)
+        self._eager_context = eager_context
         self.max_num_reqs: int = sc.max_num_seqs
         self.max_num_tokens: int = sc.max_num_batched_tokens
         self.mode = CUDAGraphMode.NONE
@@ -110,7 +107,7 @@ class GraphRunner:
 
     # ---------------------------------------------------------------- start-up
 
-    def resolve(self, piecewise_available: bool = True) -> CUDAGraphMode:
+    def resolve(self) -> CUDAGraphMode:
         """The mode this platform and these attention groups can run (every downgrade
         logged once, with its reason), and the dispatcher for it."""
         cc = self.compilation_config
@@ -119,10 +116,7 @@ class GraphRunner:
             requested,
             [backend.cudagraph_support for backend in self.attn_groups.values()],
             self.platform.supports_graphs,
-            piecewise_available,
         )
-        for reason in self.mode_reasons:
-            modes_logger.warning("cudagraph_mode %s", reason)
         self.capture_sizes = self._capture_sizes()
         self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes, self.max_num_reqs)
         return self.mode
@@ -153,14 +147,13 @@ class GraphRunner:
         if self.closed:
             raise CaptureClosedError("graphs are captured once, at start-up")
         keys = self.dispatcher.all_keys()
-        pool = self.platform.graph_pool() if keys else None
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
         gc.collect()
         gc.freeze()  # a collection during capture makes it slow (vLLM #21146)
         try:
             for mode, key in tqdm(keys, desc="Capturing graphs", disable=not keys, leave=False):
-                self.capture(mode, key, model, prepare_dummy, pool)
+                self.capture(mode, key, model, prepare_dummy)
         finally:
             gc.unfreeze()
         self.closed = True
@@ -183,7 +176,6 @@ class GraphRunner:
         key: BatchDescriptor,
         model: torch.nn.Module,
         prepare_dummy: PrepareDummy,
-        pool: object | None = None,
     ) -> None:
         """Capture the graph for (mode, key) over a dummy batch of its shape."""
         if self.closed:
@@ -205,7 +197,7 @@ class GraphRunner:
             context = dataclasses.replace(base, params_id=params_id)
             with set_forward_context(context):
                 graph = self.platform.make_graph(
-                    name, fn, self.graph_inputs(mode, key), self.compilation_config, pool
+                    name, fn, self.graph_inputs(mode, key), self.compilation_config
                 )
             count = 1
         else:
@@ -219,11 +211,11 @@ class GraphRunner:
                     self.graph_inputs(mode, key),
                     self.platform,
                     self.compilation_config,
-                    pool,
                 )
             count = graph.num_pieces
+            params_id = None  # piecewise: attention runs eagerly
         self.graphs[(mode, key)] = graph
-        self._replays[key] = _Replay(graph, mode, self.graph_params.get(key))
+        self._replays[key] = _Replay(graph, params_id)
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
 
@@ -289,11 +281,10 @@ class GraphRunner:
 class _Replay:
     """What a step needs to replay one key's graph."""
 
-    __slots__ = ("checked", "graph", "mode", "params_id")
+    __slots__ = ("checked", "graph", "params_id")
 
-    def __init__(self, graph: DeviceGraph, mode: RuntimeMode, params_id: int | None) -> None:
+    def __init__(self, graph: DeviceGraph, params_id: int | None) -> None:
         self.graph = graph
-        self.mode = mode
         # A full graph's params id; None for a piecewise graph (eager attention).
         self.params_id = params_id
         self.checked = False

@@ -66,16 +66,10 @@ def resolve_cudagraph_mode(
     piecewise_available: bool = True,
 ) -> CUDAGraphMode:
     """Turn the requested mode into one this platform and these backends can run,
-    logging every downgrade with its reason.
-
-    `supports` holds one level per attention group; the weakest group wins.
-    """
-    mode, reasons = explain_cudagraph_mode(
+    logging every downgrade with its reason (`explain_cudagraph_mode`'s mode)."""
+    return explain_cudagraph_mode(
         requested, supports, platform_supports_graphs, piecewise_available
-    )
-    for reason in reasons:
-        logger.warning("cudagraph_mode %s", reason)
-    return mode
+    )[0]
 
 
 def explain_cudagraph_mode(
@@ -84,8 +78,21 @@ def explain_cudagraph_mode(
     platform_supports_graphs: bool,
     piecewise_available: bool = True,
 ) -> tuple[CUDAGraphMode, list[str]]:
-    """`resolve_cudagraph_mode` without the logging: the mode, and one line per
-    downgrade ("FULL -> FULL_AND_PIECEWISE: ...")."""
+    """The mode this platform and these backends can run instead of `requested`, and
+    one line per downgrade ("FULL -> FULL_AND_PIECEWISE: ..."), each logged as a
+    warning. `supports` holds one level per attention group; the weakest group wins."""
+    mode, reasons = _downgrade(requested, supports, platform_supports_graphs, piecewise_available)
+    for reason in reasons:
+        logger.warning("cudagraph_mode %s", reason)
+    return mode, reasons
+
+
+def _downgrade(
+    requested: CUDAGraphMode,
+    supports: list[AttentionCGSupport],
+    platform_supports_graphs: bool,
+    piecewise_available: bool,
+) -> tuple[CUDAGraphMode, list[str]]:
     if requested is CUDAGraphMode.NONE:
         return requested, []
     if not platform_supports_graphs:

@@ -20,11 +20,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
 from decodegraph.attention.layer import SPLIT_OP
-from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
+from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform, trace
 
 if TYPE_CHECKING:
     from decodegraph.config import CompilationConfig
@@ -125,16 +124,14 @@ class PiecewiseGraph(DeviceGraph):
         inputs: Sequence[torch.Tensor],
         platform: Platform,
         config: CompilationConfig,
-        pool: object | None,
     ) -> None:
         super().__init__(name, inputs)
-        with torch.no_grad():
-            traced = make_fx(fn, decomposition_table=platform.graph_decompositions())(*inputs)
+        traced = trace(fn, inputs, platform.graph_decompositions())
         self.split, self.piece_names = split_at_attention(traced)
         stable = {t.data_ptr() for t in self.inputs}
 
         def make(piece_name: str, piece: torch.fx.GraphModule, args: tuple) -> object:
-            return platform.make_piece(f"{name}.{piece_name}", piece, args, stable, config, pool)
+            return platform.make_piece(f"{name}.{piece_name}", piece, args, stable, config)
 
         with torch.no_grad():
             _PieceMaker(self.split, self.piece_names, make).run(*self.inputs)

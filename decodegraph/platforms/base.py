@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 GraphFn = Callable[..., Any]
 
 
+def trace(
+    fn: GraphFn, inputs: Sequence[torch.Tensor], decompositions: dict | None = None
+) -> torch.fx.GraphModule:
+    """Trace `fn` into an op graph (make_fx); tensors it reads but is not given become
+    constants. `decompositions` (a platform's `graph_decompositions()`) say which
+    operators the trace sees as the aten ops they stand for."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.no_grad():
+        return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
+
+
 class InputAddressError(RuntimeError):
     """A graph's inputs are not the tensors it was captured over."""
 
@@ -112,9 +124,9 @@ class Platform:
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
-        pool: object | None,
     ) -> DeviceGraph:
-        """Capture `fn(*inputs)` into a graph bound to `inputs` (warm-ups included)."""
+        """Capture `fn(*inputs)` into a graph bound to `inputs` (warm-ups included), in
+        the platform's one memory pool (`graph_pool()`)."""
         raise NotImplementedError(f"platform {self.name} cannot capture graphs")
 
     def make_piece(
@@ -124,7 +136,6 @@ class Platform:
         args: Sequence[torch.Tensor],
         stable: set[int],
         config: CompilationConfig,
-        pool: object | None,
     ) -> Callable[..., Any]:
         """One piece of a piecewise graph, called with the piece's arguments.
 
@@ -139,7 +150,7 @@ class Platform:
                 f"piece {name}: arguments {moving} are not graph inputs or earlier pieces' "
                 "outputs; a device graph would have to copy them on every replay"
             )
-        graph = self.make_graph(name, piece, args, config, pool)
+        graph = self.make_graph(name, piece, args, config)
         return _StaticPiece(graph, stable)
 
     # ---------------------------------------------------------------- memory

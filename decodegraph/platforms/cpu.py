@@ -77,9 +77,15 @@ class CpuPlatform(Platform):
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
-        pool: object | None,
     ) -> DeviceGraph:
-        return CpuGraph(name, fn, inputs, config.use_inductor, self.inductor_options(config))
+        return CpuGraph(
+            name,
+            fn,
+            inputs,
+            config.use_inductor,
+            self.inductor_options(config),
+            self.graph_decompositions(),
+        )
 
     def make_piece(
         self,
@@ -88,7 +94,6 @@ class CpuPlatform(Platform):
         args: Sequence[torch.Tensor],
         stable: set[int],
         config: CompilationConfig,
-        pool: object | None,
     ) -> Callable[..., Any]:
         """The traced piece, Inductor-compiled or as it is. A CPU piece returns fresh
         outputs each call, so its arguments need no fixed addresses; its weights are

@@ -13,20 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from decodegraph import native
-from decodegraph.platforms.base import DeviceGraph, GraphFn
+from decodegraph.platforms.base import DeviceGraph, GraphFn, trace
 
 logger = logging.getLogger(__name__)
-
-
-def trace(
-    fn: GraphFn, inputs: Sequence[torch.Tensor], decompositions: dict | None = None
-) -> torch.fx.GraphModule:
-    """Trace `fn` into an op graph; tensors it reads but is not given become constants."""
-    with torch.no_grad():
-        return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
 
 
 def compile_with_inductor(
@@ -129,9 +119,10 @@ class CpuGraph(DeviceGraph):
         inputs: Sequence[torch.Tensor],
         use_inductor: bool,
         inductor_options: dict[str, object] | None = None,
+        decompositions: dict | None = None,
     ) -> None:
         super().__init__(name, inputs)
-        self.graph_module = trace(fn, inputs, native.decompositions())
+        self.graph_module = trace(fn, inputs, decompositions)
         output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
         # A compiled graph returns a list even for one tensor; give back what fn returns.
         self._single_output = not isinstance(output.args[0], (tuple, list))

@@ -78,12 +78,16 @@ class CudaPlatform(Platform):
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
-        pool: object | None,
     ) -> DeviceGraph:
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
         return CudaGraph(
-            name, fn, inputs, pool, config.cudagraph_num_of_warmups, self._capture_stream
+            name,
+            fn,
+            inputs,
+            self.graph_pool(),
+            config.cudagraph_num_of_warmups,
+            self._capture_stream,
         )
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:

@@ -13,9 +13,8 @@ from decodegraph.attention.layer import SPLIT_OP
 from decodegraph.config import CompilationConfig
 from decodegraph.forward_context import EAGER_PARAMS_ID, ForwardContext, set_forward_context
 from decodegraph.graphs.piecewise import PiecewiseGraph, split_at_attention
-from decodegraph.platforms.base import InputAddressError, Platform
+from decodegraph.platforms.base import InputAddressError, Platform, trace
 from decodegraph.platforms.cpu import CpuPlatform
-from decodegraph.platforms.cpu_graph import trace
 from tests.utils.platforms import StaticGraphPlatform
 
 NO_INDUCTOR = CompilationConfig(use_inductor=False)
@@ -76,7 +75,7 @@ def _piecewise(platform: Platform, config: CompilationConfig, model: ThreeLayers
     backend = _attention_setup(x.shape[0])
     context = ForwardContext(backend, EAGER_PARAMS_ID, split_attention=True)
     with set_forward_context(context):
-        graph = PiecewiseGraph("pw", model, [x], platform, config, platform.graph_pool())
+        graph = PiecewiseGraph("pw", model, [x], platform, config)
     return graph, context
 
 
@@ -162,4 +161,4 @@ def test_device_like_pieces_take_only_stable_arguments_and_copy_nothing() -> Non
 def test_a_device_piece_refuses_an_argument_at_no_stable_address() -> None:
     piece = torch.fx.symbolic_trace(lambda a: a * 2)
     with pytest.raises(InputAddressError, match="arguments \\[0\\]"):
-        StaticGraphPlatform().make_piece("p", piece, [torch.ones(2)], set(), NO_INDUCTOR, None)
+        StaticGraphPlatform().make_piece("p", piece, [torch.ones(2)], set(), NO_INDUCTOR)

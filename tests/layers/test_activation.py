@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from decodegraph.layers.activation import get_act_and_mul_fn
+from decodegraph.platforms.base import trace
 from decodegraph.platforms.cpu import CpuPlatform
-from decodegraph.platforms.cpu_graph import trace
 from tests.utils.native import pytest_without_avx512
 
 

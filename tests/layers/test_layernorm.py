@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decodegraph.layers.layernorm import RMSNorm
+from decodegraph.platforms.base import trace
 from decodegraph.platforms.cpu import CpuPlatform
-from decodegraph.platforms.cpu_graph import trace
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])

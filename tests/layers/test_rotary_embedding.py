@@ -16,8 +16,8 @@ from decodegraph.layers.rotary_embedding import (
     get_rope,
     get_rope_parameters,
 )
+from decodegraph.platforms.base import trace
 from decodegraph.platforms.cpu import CpuPlatform
-from decodegraph.platforms.cpu_graph import trace
 
 HEAD_DIM = 32
 ROPES: dict[str, dict[str, Any]] = {

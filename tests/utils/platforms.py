@@ -23,9 +23,8 @@ from decodegraph import native
 from decodegraph.attention import selector
 from decodegraph.attention.backends.base import AttentionBackend
 from decodegraph.platforms import register_platform, unregister_platform
-from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
+from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform, trace
 from decodegraph.platforms.cpu import CpuPlatform
-from decodegraph.platforms.cpu_graph import trace
 
 if TYPE_CHECKING:
     from decodegraph.config import CompilationConfig
@@ -34,9 +33,11 @@ if TYPE_CHECKING:
 class StaticGraph(DeviceGraph):
     """A traced graph with static outputs: each replay writes them in place."""
 
-    def __init__(self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, name: str, fn: GraphFn, inputs: Sequence[torch.Tensor], decompositions: dict
+    ) -> None:
         super().__init__(name, inputs)
-        self.graph_module = trace(fn, self.inputs, native.decompositions())
+        self.graph_module = trace(fn, self.inputs, decompositions)
         out = self.graph_module(*self.inputs)
         flat, self._spec = pytree.tree_flatten(out)
         self._static = [t.clone() for t in flat]
@@ -76,11 +77,10 @@ class StaticGraphPlatform(Platform):
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
-        pool: object | None,
     ) -> DeviceGraph:
-        graph = StaticGraph(name, fn, inputs)
+        graph = StaticGraph(name, fn, inputs, self.graph_decompositions())
         self.graphs_made.append(graph)
-        self.captures.append((name, pool))
+        self.captures.append((name, self.graph_pool()))
         return graph
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
