@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodegraph.attention.backends.base import explicit_attention
 from decodegraph.forward_context import get_forward_context
 
 # Defined with torch.library.Library rather than custom_op: its dispatch costs less,
@@ -133,14 +134,8 @@ class Attention(nn.Module):
                 qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            group = self.num_heads // self.num_kv_heads
-            scores = torch.matmul(qh, kh.repeat_interleave(group, 0).transpose(1, 2)) * self.scale
-            if self.logits_soft_cap:
-                scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-            pos = torch.arange(t, device=q.device)
-            hidden = pos[None, :] > pos[:, None]
-            if self.sliding_window:
-                hidden |= pos[None, :] <= pos[:, None] - self.sliding_window
-            scores = scores.masked_fill(hidden, float("-inf"))
-            out = torch.matmul(scores.softmax(-1), vh.repeat_interleave(group, 0))
+            positions = torch.arange(t, device=q.device)
+            out = explicit_attention(
+                qh, kh, vh, self.scale, positions, self.logits_soft_cap, self.sliding_window
+            )
         return out.transpose(0, 1).reshape(t, self.num_heads * self.head_size)

@@ -22,6 +22,40 @@ import torch
 from decodegraph.forward_context import EAGER_PARAMS_ID
 
 
+def soft_cap_(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Logit soft-capping in place, cap * tanh(scores / cap); `scores` as they are
+    without a cap."""
+    return scores.div_(cap).tanh_().mul_(cap) if cap else scores
+
+
+def explicit_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One sequence's causal attention in explicit ops, for what
+    scaled_dot_product_attention has no argument for (soft-capping, sliding windows):
+    q [h, q_len, d] at the last q_len of the `length` positions of k/v [kvh, length, d]
+    (grouped-query heads without repeating K/V); `positions` is arange(>= length).
+    Returns [h, q_len, d]."""
+    h, q_len, d = q.shape
+    kvh, length = k.shape[0], k.shape[1]
+    scores = torch.matmul(q.reshape(kvh, -1, d), k.transpose(1, 2)).mul_(scale)
+    scores = soft_cap_(scores, soft_cap).view(kvh, h // kvh, q_len, length)
+    q_pos = positions[length - q_len : length, None]
+    k_pos = positions[None, :length]
+    hidden = k_pos > q_pos
+    if sliding_window:
+        hidden |= k_pos <= q_pos - sliding_window
+    scores.masked_fill_(hidden, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(kvh, -1, length)
+    return torch.matmul(weights, v).view(h, q_len, d)
+
+
 class AttentionCGSupport(enum.IntEnum):
     """How much of a full graph an attention backend can live inside (more is better)."""
 

@@ -29,6 +29,8 @@ from decodegraph.attention.backends.base import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionMetadata,
+    explicit_attention,
+    soft_cap_,
 )
 from decodegraph.native import load_cpu_ops
 
@@ -174,7 +176,8 @@ class CPUAttentionBackend(AttentionBackend):
         if b == 1:
             k, v = k[:, :, : md.max_seq_len], v[:, :, : md.max_seq_len]
         # Grouped-query attention without repeating K/V: [b, kvh, group, d].
-        scores = self._cap(torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale))
+        scores = torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
+        scores = soft_cap_(scores, self.logits_soft_cap)
         if b > 1 or self.sliding_window:
             lengths = md.seq_lens_host[:b].to(self._positions.device, non_blocking=True)
             positions = self._positions[: k.shape[2]]
@@ -200,7 +203,15 @@ class CPUAttentionBackend(AttentionBackend):
             v = self._gather(v_blocks, self._ws_v, ids).view(-1, kvh, d)[:length]
             q = query[start:end].view(q_len, h, d).transpose(0, 1)
             if self.sliding_window or self.logits_soft_cap:
-                o = self._attend(q, k.transpose(0, 1), v.transpose(0, 1), length)
+                o = explicit_attention(
+                    q,
+                    k.transpose(0, 1),
+                    v.transpose(0, 1),
+                    self.scale,
+                    self._positions,
+                    self.logits_soft_cap,
+                    self.sliding_window,
+                )
                 out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
                 continue
             mask = None
@@ -217,30 +228,6 @@ class CPUAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
-
-    def _cap(self, scores: torch.Tensor) -> torch.Tensor:
-        """Logit soft-capping, in place: cap * tanh(scores / cap)."""
-        cap = self.logits_soft_cap
-        return scores.div_(cap).tanh_().mul_(cap) if cap else scores
-
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
-    ) -> torch.Tensor:
-        """One request's attention in explicit ops (soft-capping and sliding windows,
-        which scaled_dot_product_attention has no argument for): q [h, q_len, d] at the
-        last q_len of `length` positions, k/v [kvh, length, d]."""
-        h, q_len, d = q.shape
-        kvh = k.shape[0]
-        scores = torch.matmul(q.reshape(kvh, -1, d), k.transpose(1, 2)).mul_(self.scale)
-        scores = self._cap(scores).view(kvh, h // kvh, q_len, length)
-        q_pos = self._positions[length - q_len : length, None]
-        k_pos = self._positions[None, :length]
-        hidden = k_pos > q_pos
-        if self.sliding_window:
-            hidden |= k_pos <= q_pos - self.sliding_window
-        scores.masked_fill_(hidden, float("-inf"))
-        weights = torch.softmax(scores, dim=-1).view(kvh, -1, length)
-        return torch.matmul(weights, v).view(h, q_len, d)
 
 
 class CUDATorchAttentionBackend(CPUAttentionBackend):
@@ -273,7 +260,7 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
         k = self._gather(k_blocks, self._ws_k, ids).view(t, nb * bs, kvh, d).transpose(1, 2)
         v = self._gather(v_blocks, self._ws_v, ids).view(t, nb * bs, kvh, d).transpose(1, 2)
         scores = torch.matmul(query.view(t, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
-        scores = self._cap(scores)
+        scores = soft_cap_(scores, self.logits_soft_cap)
         lengths = md.seq_lens[:t, None]
         hidden = self._positions >= lengths
         if self.sliding_window:
