@@ -302,7 +302,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_cache_usage,
             num_free_blocks=kv.num_free_blocks,
-            num_blocks=self.runner.num_blocks - 1,
+            num_blocks=kv.num_blocks[0],
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self.scheduler.num_generated_tokens,
             graph_runs=graph_runs,

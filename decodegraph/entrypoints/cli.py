@@ -168,7 +168,7 @@ def graphs_report(engine: object) -> dict:
         "capture_seconds": round(cs.seconds, 3),
         "capture_memory_bytes": cs.memory_bytes,
         "startup_seconds": {k: round(v, 3) for k, v in engine.startup_seconds.items()},
-        "kv_cache_blocks": runner.num_blocks - 1,
+        "kv_cache_blocks": runner.num_blocks_per_group[0] - 1,
         # KV cache group name -> its usable blocks (a sliding-window group needs few).
         "kv_cache_groups": {
             g.name: n - 1

@@ -77,7 +77,8 @@ class ModelRunner:
         # What the runner knows of each request (from the scheduler's data only).
         self.requests = RequestStates(self.device)
         self.model: torch.nn.Module | None = None
-        self.num_blocks = 0
+        # Blocks of each KV cache group (the null block included), set by initialize_kv_cache.
+        self.num_blocks_per_group: list[int] = []
         self.profile_peak_bytes = 0
 
     # ---------------------------------------------------------------- start-up
@@ -138,9 +139,7 @@ class ModelRunner:
         n = self.max_num_tokens
         self.platform.reset_peak_memory()
         before = self.platform.memory_allocated()
-        batch = InputBatch.make_dummy(0, n, False, self.buffers)
-        for g, backend in enumerate(self.groups.backends.values()):
-            backend.set_eager_metadata(batch.attention_metadata(self.buffers, g))
+        self._set_eager_metadata(InputBatch.make_dummy(0, n, False, self.buffers))
         with set_forward_context(self._eager_context):
             hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
             self.model.compute_logits(hidden[: self.max_num_reqs])
@@ -166,7 +165,6 @@ class ModelRunner:
             ]
             backend.bind_kv_caches(caches, group.layer_indices)
             backend.allocate_workspace(self.max_num_reqs, self.dtype, self.device)
-        self.num_blocks = counts[0]
         self.num_blocks_per_group = list(counts)
 
     def resolve_graph_mode(self) -> CUDAGraphMode:
@@ -184,6 +182,11 @@ class ModelRunner:
         num_reqs = key.num_tokens if key.uniform else 1
         batch = InputBatch.make_dummy(num_reqs, key.num_tokens, key.uniform, self.buffers, mode)
         return self._attention_metadata(batch)
+
+    def _set_eager_metadata(self, batch: InputBatch) -> None:
+        """Every attention group's eager metadata for `batch` (an eager forward's)."""
+        for g, backend in enumerate(self.groups.backends.values()):
+            backend.set_eager_metadata(batch.attention_metadata(self.buffers, g))
 
     def _attention_metadata(self, batch: InputBatch) -> dict[str, AttentionMetadata]:
         """Each attention group's metadata for `batch`, by group name."""
@@ -243,8 +246,7 @@ class ModelRunner:
         b = self.buffers
         with set_forward_context(self._eager_context):
             if mode is RuntimeMode.NONE:
-                for g, backend in enumerate(self.groups.backends.values()):
-                    backend.set_eager_metadata(batch.attention_metadata(b, g))
+                self._set_eager_metadata(batch)
                 t = batch.num_tokens
                 hidden = self.model(b.input_ids.gpu[:t], b.positions.gpu[:t])
             else:

@@ -202,4 +202,7 @@ def test_a_small_model_starts_with_graphs_and_the_default_memory_budget(
         gpu_memory_utilization=0.5,
     )
     runner = llm.llm_engine.runner
-    assert runner.num_blocks - 1 >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
+    assert (
+        runner.num_blocks_per_group[0] - 1
+        >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
+    )

@@ -92,7 +92,7 @@ def test_the_base_platform_has_no_graphs_and_names_no_backend() -> None:
     assert platform.graph_pool() is None
     assert platform.memory_allocated() == 0
     with pytest.raises(NotImplementedError, match="cannot capture graphs"):
-        platform.make_graph("g", lambda x: x, [torch.ones(1)], None, None)  # type: ignore[arg-type]
+        platform.make_graph("g", lambda x: x, [torch.ones(1)], None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="names no attention backend"):
         selector.get_attn_backend(platform)
 
@@ -231,7 +231,10 @@ def test_the_graph_pool_reserve_does_not_starve_a_small_model(
 ) -> None:
     llm = _start(stories_dir, PeakReportingCpuPlatform, "FULL_DECODE_ONLY")
     runner = llm.llm_engine.runner
-    assert runner.num_blocks - 1 >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
+    assert (
+        runner.num_blocks_per_group[0] - 1
+        >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
+    )
 
 
 def _thp_eligible(address: int) -> bool:
