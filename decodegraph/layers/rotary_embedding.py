@@ -19,19 +19,23 @@ from decodegraph.native import cpu_ops_for
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+def get_rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The rope settings of a config as one flat dict with `rope_type` and `rope_theta`.
 
     transformers 5 keeps them in `config.rope_parameters` (theta included); 4.x keeps
     `config.rope_theta` beside an optional `config.rope_scaling` (with `type` or
-    `rope_type`). Both spellings are accepted.
+    `rope_type`). Both spellings are accepted. Where they are kept per layer type
+    (Gemma 3: one dict per "sliding_attention" and "full_attention"), `layer_type` picks
+    one; flat settings hold for every layer type.
     """
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
     params = dict(params or {})
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise NotImplementedError(
-            f"per-layer-type rope_parameters ({sorted(params)}) are not supported"
-        )
+        if layer_type is None:
+            raise NotImplementedError(
+                f"per-layer-type rope_parameters ({sorted(params)}) are not supported"
+            )
+        params = dict(params[layer_type])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.pop("type", None)
     if params.get("rope_theta") is None:

@@ -7,28 +7,21 @@ rather than the head size. Gemma 2 caps attention scores and the final logits wi
 tanh (soft-capping); Gemma 3 norms each head of q and k and rotates its sliding layers
 with a rope base of their own. `layer_types` says which layers attend through a
 sliding window; the model runner gives each kind its own attention group and KV cache.
+The attention and MLP blocks are Llama's (llama.py), set up by `attention_options`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from decodegraph.attention.layer import Attention
-from decodegraph.layers.activation import get_act_and_mul_fn
 from decodegraph.layers.layernorm import RMSNorm
-from decodegraph.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from decodegraph.layers.rotary_embedding import apply_rotary_emb, get_rope, get_rope_parameters
-from decodegraph.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-from decodegraph.models.llama import layer_sliding_window
-from decodegraph.models.weights import load_stacked_weights
+from decodegraph.layers.rotary_embedding import get_rope, get_rope_parameters
+from decodegraph.layers.vocab import VocabParallelEmbedding
+from decodegraph.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -50,97 +43,17 @@ def _layer_types(config: PretrainedConfig) -> list[str]:
     return list(types)
 
 
-def _rope_parameters(config: PretrainedConfig) -> dict[str, dict]:
-    """Rope settings per layer type: Gemma 3 keeps one per type, Gemma 2 one for all."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        return {
-            layer_type: get_rope_parameters(_FlatRope(config, p))
-            for layer_type, p in params.items()
-        }
-    flat = get_rope_parameters(config)
-    return {layer_type: flat for layer_type in set(_layer_types(config))}
-
-
-class _FlatRope:
-    """A config view with one layer type's rope parameters (for get_rope_parameters)."""
-
-    def __init__(self, config: PretrainedConfig, params: dict) -> None:
-        self.rope_parameters = params
-        self.max_position_embeddings = config.max_position_embeddings
-        self.partial_rotary_factor = getattr(config, "partial_rotary_factor", None)
-
-
-class GemmaAttention(nn.Module):
-    """Stacked qkv projection, (per-head q/k norm,) rope, paged `Attention`, o_proj."""
-
-    def __init__(self, config: PretrainedConfig, layer_idx: int, qk_norm: bool) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias
-        )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            config.query_pre_attn_scalar**-0.5,
-            self.num_kv_heads,
-            layer_idx,
-            sliding_window=layer_sliding_window(config, layer_idx),
-            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
-        )
-
-    def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        t = qkv.shape[0]
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-            t, self.num_kv_heads, self.head_dim
-        )
-        v = qkv[:, self.q_size + self.kv_size :]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary_emb(q, cos, sin).reshape(t, self.q_size)
-        k = apply_rotary_emb(k, cos, sin).reshape(t, self.kv_size)
-        return self.o_proj(self.attn(q, k, v))
-
-
-class GemmaMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)) with gate and up stacked into one projection."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], False)
-        self.act_fn = get_act_and_mul_fn(config.hidden_activation)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class GemmaDecoderLayer(nn.Module):
     """Norm, attention, norm; norm, MLP, norm; the residual stream carried through the
     fused-add norms before attention and before the MLP."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions, layer_idx: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.layer_type = _layer_types(config)[layer_idx]
-        self.self_attn = GemmaAttention(config, layer_idx, qk_norm)
-        self.mlp = GemmaMLP(config)
+        window = config.sliding_window if self.layer_type == "sliding_attention" else None
+        self.self_attn = LlamaAttention(config, options, layer_idx, window)
+        self.mlp = LlamaMLP(config, config.hidden_activation)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
@@ -167,68 +80,69 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     """Scaled embedding, decoder layers and final norm; returns normed hidden states."""
 
-    def __init__(self, config: PretrainedConfig, qk_norm: bool) -> None:
+    def __init__(self, config: PretrainedConfig, options: AttentionOptions) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, qk_norm) for i in range(config.num_hidden_layers)
+            GemmaDecoderLayer(config, options, i) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         # transformers multiplies by sqrt(hidden_size) rounded to the model dtype.
         normalizer = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype())
         self.register_buffer("normalizer", normalizer, persistent=False)
-        self.rotary_emb = nn.ModuleDict(
-            {
-                layer_type: get_rope(config.head_dim, config.max_position_embeddings, params)
-                for layer_type, params in _rope_parameters(config).items()
-            }
+        # One rope per distinct setting (Gemma 2 has one for both layer types), so each
+        # forward gathers cos/sin once per setting; `layer_rope[i]` is layer i's.
+        params = [get_rope_parameters(config, layer.layer_type) for layer in self.layers]
+        distinct = [p for i, p in enumerate(params) if p not in params[:i]]
+        self.rotary_emb = nn.ModuleList(
+            get_rope(config.head_dim, config.max_position_embeddings, p) for p in distinct
         )
+        self.layer_rope = [distinct.index(p) for p in params]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) * self.normalizer
-        cos_sin = {name: rope.get_cos_sin(positions) for name, rope in self.rotary_emb.items()}
+        cos_sin = [rope.get_cos_sin(positions) for rope in self.rotary_emb]
         residual = None
-        for layer in self.layers:
-            cos, sin = cos_sin[layer.layer_type]
+        for layer, rope in zip(self.layers, self.layer_rope, strict=True):
+            cos, sin = cos_sin[rope]
             hidden_states, residual = layer(hidden_states, residual, cos, sin)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: soft-capped attention scores and logits, no q/k norm."""
 
-    qk_norm = False
+    model_class = GemmaModel
+    tie_word_embeddings_default = True  # Gemma checkpoints tie the LM head to the embedding
 
-    def __init__(self, hf_config: PretrainedConfig, max_model_len: int | None = None) -> None:
-        super().__init__()
-        self.config = hf_config
-        self.model = GemmaModel(hf_config, self.qk_norm)
-        # Gemma checkpoints tie the LM head to the embedding.
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__(hf_config)
         self.final_logit_softcapping = getattr(hf_config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] for flattened token ids [T] at `positions` [T]."""
-        return self.model(input_ids, positions)
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=False,
+            scale=config.query_pre_attn_scalar**-0.5,
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+            norm=GemmaRMSNorm,
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab], soft-capped where the config says."""
-        logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        logits = super().compute_logits(hidden_states)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face-named tensors into the parameters (see models/weights.py)."""
-        return load_stacked_weights(self, weights, self.tie_word_embeddings)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3 (text only): RMSNorm over each head of q and k, and a rope base per
     layer type (`rope_parameters` keyed by "sliding_attention" and "full_attention")."""
 
-    qk_norm = True
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
+        return dataclasses.replace(super().attention_options(config), qk_norm=True)

@@ -36,7 +36,10 @@ class AttentionOptions:
 
     qkv_bias: bool  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 via attention_bias)
     o_bias: bool  # bias on the output projection
-    qk_norm: bool  # RMSNorm over each head of q and k before rope (Qwen3)
+    qk_norm: bool  # RMSNorm over each head of q and k before rope (Qwen3, Gemma 3)
+    scale: float | None = None  # attention score scale; None: head_dim**-0.5
+    logits_soft_cap: float | None = None  # scores capped as cap * tanh(s / cap) (Gemma 2)
+    norm: type[RMSNorm] = RMSNorm  # the q/k norm's class (Gemma's scales by 1 + weight)
 
 
 def get_head_dim(config: PretrainedConfig) -> int:
@@ -47,8 +50,8 @@ def get_head_dim(config: PretrainedConfig) -> int:
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     """Layer `layer_idx`'s sliding window where transformers applies one: the layers
     `layer_types` marks "sliding_attention" (Qwen2's `use_sliding_window` with
-    `max_window_layers`, Gemma, Qwen3), or every layer of a model with a
-    `sliding_window` and no `layer_types` (Mistral); None for full attention."""
+    `max_window_layers`, Qwen3), or every layer of a model with a `sliding_window` and
+    no `layer_types` (Mistral); None for full attention."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -59,12 +62,12 @@ def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None
 class LlamaMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up stacked into one projection."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, hidden_act: str | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
-        self.act_fn = get_act_and_mul_fn(config.hidden_act)
+        self.act_fn = get_act_and_mul_fn(hidden_act or config.hidden_act)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,7 +77,13 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention: stacked qkv projection, (q/k norm,) rope, paged `Attention`, o_proj."""
 
-    def __init__(self, config: PretrainedConfig, options: AttentionOptions, layer_idx: int) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        options: AttentionOptions,
+        layer_idx: int,
+        sliding_window: int | None,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -87,15 +96,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, options.o_bias)
         self.qk_norm = options.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = options.norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = options.norm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if options.scale is None else options.scale,
             self.num_kv_heads,
             layer_idx,
-            sliding_window=layer_sliding_window(config, layer_idx),
+            sliding_window=sliding_window,
+            logits_soft_cap=options.logits_soft_cap,
         )
 
     def forward(
@@ -124,7 +134,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: PretrainedConfig, options: AttentionOptions, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, layer_idx)
+        window = layer_sliding_window(config, layer_idx)
+        self.self_attn = LlamaAttention(config, options, layer_idx, window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -173,11 +184,16 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama decoder with an LM head (tied to the embedding when `tie_word_embeddings`)."""
 
-    def __init__(self, hf_config: PretrainedConfig, max_model_len: int | None = None) -> None:
+    model_class: type[nn.Module] = LlamaModel  # built as model_class(config, options)
+    tie_word_embeddings_default = False  # when the config does not say
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, self.attention_options(hf_config))
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = self.model_class(hf_config, self.attention_options(hf_config))
+        self.tie_word_embeddings = bool(
+            getattr(hf_config, "tie_word_embeddings", self.tie_word_embeddings_default)
+        )
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

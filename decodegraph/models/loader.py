@@ -102,7 +102,7 @@ def get_model(
     """
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, model_config.max_model_len)
+        model = model_cls(hf_config)
     model.eval()
     dummy = model_config.load_format == "dummy" or is_preset(model_config.model)
     if is_preset(model_config.model) and model_config.load_format == "safetensors":
