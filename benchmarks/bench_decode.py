@@ -28,21 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from decodegraph import LLM, SamplingParams
+from decodegraph.benchmarks.common import GRAPH_MODES, write_json
 from decodegraph.models.bundled import bundled_model_path
 from decodegraph.sampling_params import RequestOutputKind
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = bundled_model_path("stories260K")
-MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
 def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
@@ -124,7 +122,7 @@ def _hf_throughput(model: torch.nn.Module, num_requests: int, tokens: int) -> fl
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--modes", nargs="+", default=MODES)
+    p.add_argument("--modes", nargs="+", default=GRAPH_MODES)
     p.add_argument("--tokens", type=int, default=256, help="batch-1 decode length")
     p.add_argument("--repeats", type=int, default=8, help="interleaved rounds")
     p.add_argument("--num-requests", type=int, default=256)
@@ -139,13 +137,7 @@ def main() -> None:
     if args.threads is not None:
         os.environ["DECODEGRAPH_CPU_THREADS"] = str(args.threads)
 
-    results: dict[str, object] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()}",
-        "torch": torch.__version__,
-        "model": args.model,
-        "modes": {},
-    }
+    results: dict[str, object] = {"model": args.model, "modes": {}}
     # Build every engine first, then measure in interleaved rounds, so that no mode
     # gains from running later (warm caches) on this shared, noisy machine.
     engines: dict[str, LLM] = {}
@@ -230,10 +222,8 @@ def main() -> None:
             f"{'transformers':<20}{hf['batch1_tokens_per_s']:>10.0f}{'':>8}{'':>9}{'':>9}"
             f"{hf.get('batched_tokens_per_s', nan):>15.0f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nsaved {out}")
+    print()
+    write_json(args.out, "decode", results)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import torch
 
 from decodegraph import LLM, SamplingParams
 from decodegraph.attention.selector import ENV_VAR
+from decodegraph.benchmarks.common import GRAPH_MODES
 
-MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 BACKENDS = ["TRITON_ATTN", "CUDA_TORCH"]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def check_correctness() -> dict[str, object]:
     kw = dict(dtype="float32", max_model_len=256, max_num_seqs=16, gpu_memory_utilization=0.3)
     results: dict[str, object] = {}
     reference: dict[str, list[list[int]]] = {}  # per backend: its NONE ids
-    for backend, mode in [(b, m) for b in BACKENDS for m in MODES]:
+    for backend, mode in [(b, m) for b in BACKENDS for m in GRAPH_MODES]:
         row = f"{backend}:{mode}"
         try:
             with _backend(backend):
@@ -90,7 +90,7 @@ def check_correctness() -> dict[str, object]:
 
 def measure_latency(bandwidth_gbs: float, batches: list[int], steps: int) -> dict[str, object]:
     results: dict[str, object] = {}
-    rows = [("TRITON_ATTN", m) for m in MODES] + [("CUDA_TORCH", "FULL_DECODE_ONLY")]
+    rows = [("TRITON_ATTN", m) for m in GRAPH_MODES] + [("CUDA_TORCH", "FULL_DECODE_ONLY")]
     for backend, mode in rows:
         row_name = f"{backend}:{mode}"
         try:

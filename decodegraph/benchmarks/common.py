@@ -13,9 +13,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-GRAPH_MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+from decodegraph.graphs.modes import CUDAGraphMode
+
+GRAPH_MODES = list(CUDAGraphMode.__members__)
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 
@@ -35,9 +38,10 @@ def add_offline_args(parser: Any, name: str, plot_help: str) -> Any:
     return g
 
 
-def engines_per_mode(args: Any, max_batch: int) -> tuple[Any, dict[str, Any]]:
-    """The user's engine arguments, and one `LLM` per graph mode sized for `max_batch`
-    requests of `--input-len` + `--output-len` tokens (only NONE with --enforce-eager)."""
+def engines_per_mode(args: Any, max_batch: int) -> tuple[Any, dict[str, Any], int]:
+    """The user's engine arguments, one `LLM` per graph mode sized for `max_batch`
+    requests of `--input-len` + `--output-len` tokens (only NONE with --enforce-eager),
+    and the model's vocabulary size (random prompts are drawn from it)."""
     import time
 
     from decodegraph.engine.arg_utils import EngineArgs
@@ -53,7 +57,21 @@ def engines_per_mode(args: Any, max_batch: int) -> tuple[Any, dict[str, Any]]:
         start = time.perf_counter()
         engines[mode] = make_llm(engine_args_for_mode(base, mode, **overrides))
         print(f"{mode}: engine ready in {time.perf_counter() - start:.1f} s", flush=True)
-    return base, engines
+    vocab_size = next(iter(engines.values())).llm_engine.runner.vocab_size
+    return base, engines, vocab_size
+
+
+def offline_sampling_params(args: Any) -> Any:
+    """`--output-len` tokens per request, EOS ignored, at `--temperature` (seeded when it
+    samples, so that a run can be repeated)."""
+    from decodegraph.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        ignore_eos=True,
+        max_tokens=args.output_len,
+        seed=0 if args.temperature > 0 else None,
+    )
 
 
 def machine() -> dict[str, Any]:
@@ -85,17 +103,10 @@ def machine() -> dict[str, Any]:
 
 
 def percentiles(values: list[float], qs: tuple[int, ...] = PERCENTILES) -> dict[str, float]:
-    """Percentiles by linear interpolation between closest ranks (numpy's default)."""
+    """numpy's default (linear) percentiles of `values`, keyed by `str(q)`; NaN when empty."""
     if not values:
         return {str(q): float("nan") for q in qs}
-    ordered = sorted(values)
-    out = {}
-    for q in qs:
-        pos = (len(ordered) - 1) * q / 100
-        low = int(pos)
-        high = min(low + 1, len(ordered) - 1)
-        out[str(q)] = ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-    return out
+    return {str(q): float(v) for q, v in zip(qs, np.percentile(values, qs), strict=True)}
 
 
 def summary(values: list[float], qs: tuple[int, ...] = PERCENTILES) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from decodegraph.benchmarks.common import (
     add_offline_args,
     engines_per_mode,
     finish,
+    offline_sampling_params,
     print_table,
     random_prompts,
     summary,
@@ -38,27 +39,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from decodegraph.sampling_params import SamplingParams
-
     sizes = sorted(set(args.batch_size))
     if sizes[0] < 1 or args.num_iters < 1:
         raise ValueError("--batch-size, --num-iters: must be at least 1")
-    base, engines = engines_per_mode(args, max(sizes))
+    base, engines, vocab = engines_per_mode(args, max(sizes))
     modes = list(engines)
-    vocab = engines[modes[0]].llm_engine.runner.vocab_size
-    prompts = {b: random_prompts(b, args.input_len, vocab, seed=b) for b in sizes}
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=1.0,
-        ignore_eos=True,
-        max_tokens=args.output_len,
-        seed=0 if args.temperature > 0 else None,
-    )
+    batches = {
+        b: [{"prompt_token_ids": p} for p in random_prompts(b, args.input_len, vocab, seed=b)]
+        for b in sizes
+    }
+    params = offline_sampling_params(args)
 
     def once(mode: str, size: int) -> float:
-        batch = [{"prompt_token_ids": p} for p in prompts[size]]
         start = time.perf_counter()
-        engines[mode].generate(batch, params, use_tqdm=False)
+        engines[mode].generate(batches[size], params, use_tqdm=False)
         return time.perf_counter() - start
 
     for _ in range(args.num_iters_warmup):

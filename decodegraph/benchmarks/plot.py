@@ -28,9 +28,13 @@ def _subtitle(result: dict[str, Any]) -> str:
 
 
 def _save(fig: Any, path: str) -> None:
+    """Write `fig` to `path` and close it (pyplot keeps every open figure alive)."""
+    import matplotlib.pyplot as plt
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
     print(f"saved {out}")
 
 
@@ -58,7 +62,6 @@ def plot_latency(result: dict[str, Any], path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)
-    plt.close(fig)
 
 
 def plot_throughput(result: dict[str, Any], path: str) -> None:
@@ -77,7 +80,6 @@ def plot_throughput(result: dict[str, Any], path: str) -> None:
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     _save(fig, path)
-    plt.close(fig)
 
 
 def plot_serve(result: dict[str, Any], path: str) -> None:
@@ -100,4 +102,3 @@ def plot_serve(result: dict[str, Any], path: str) -> None:
         fontsize=10,
     )
     _save(fig, path)
-    plt.close(fig)

@@ -3,10 +3,11 @@
 As vLLM's `vllm bench serve` with its random dataset: `--num-prompts` streamed
 completions of `--random-input-len` random tokens and up to `--random-output-len`
 generated tokens, sent at `--request-rate` requests/s (Poisson arrivals, `inf`: all at
-once; several rates give a sweep), at most `--max-concurrency` in flight. Per rate: TTFT
-(request sent to first token), TPOT (per output token after the first), ITL (between
-streamed tokens) and E2EL (the whole request), their mean, median and
-`--metric-percentiles`, and request and token throughput. It talks to any server that
+once; several rates give a sweep), at most `--max-concurrency` in flight, after
+`--num-warmups` untimed requests (as vLLM's: the first prompt, once, before the first
+rate). Per rate: TTFT (request sent to first token), TPOT (per output token after the
+first), ITL (between streamed tokens) and E2EL (the whole request), their mean, median
+and `--metric-percentiles`, and request and token throughput. It talks to any server that
 speaks `/v1/completions` with streaming, decodegraph's or vLLM's.
 """
 
@@ -19,11 +20,19 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from decodegraph.benchmarks.common import finish, print_table, summary
+from decodegraph.benchmarks.common import finish, print_table, random_prompts, summary
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+class ServeTarget(NamedTuple):
+    """The server a run talks to, as `prepare` finds it: one look-up serves many runs."""
+
+    base_url: str  # no trailing slash
+    model: str  # the served model name every request carries
+    vocab_size: int  # random prompt ids are drawn below it
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -47,32 +56,47 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="always generate the full length")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="untimed requests (the first prompt) before the first rate",
+    )
     g.add_argument("--metric-percentiles", default="50,90,99")
     g.add_argument("--output-json", default=None, help="write the results to this JSON file")
     g.add_argument("--plot", default=None, metavar="FILE.png", help="latency per request rate")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def prepare(args: argparse.Namespace) -> ServeTarget:
+    """The server at `--base-url` (or `--host`/`--port`), its model (`--model` or the
+    first listed) and the vocabulary size of `--tokenizer` (or the model's)."""
     import httpx
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    qs = tuple(int(q) for q in str(args.metric_percentiles).split(","))
-    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
-        raise ValueError("--num-prompts, --random-input-len, --random-output-len: at least 1")
     try:
         listed = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as e:
         raise ValueError(f"--base-url: no OpenAI-compatible server at {base_url} ({e})") from e
     model = args.model or listed[0]["id"]
-    vocab = _vocab_size(args.tokenizer or model)
-    rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(vocab) for _ in range(args.random_input_len)]
-        for _ in range(args.num_prompts)
-    ]
+    return ServeTarget(base_url, model, _vocab_size(args.tokenizer or model))
+
+
+def run(args: argparse.Namespace, target: ServeTarget | None = None) -> dict[str, Any]:
+    """Warm up, run every `--request-rate`, print the table and write the results;
+    `target` is the server as `prepare(args)` found it (looked up here when not given)."""
+    qs = tuple(int(q) for q in str(args.metric_percentiles).split(","))
+    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
+        raise ValueError("--num-prompts, --random-input-len, --random-output-len: at least 1")
+    if args.num_warmups < 0:
+        raise ValueError("--num-warmups: must be at least 0")
+    target = target or prepare(args)
+    prompts = random_prompts(
+        args.num_prompts, args.random_input_len, target.vocab_size, seed=args.seed
+    )
+    warm_up(args, target)
     runs, rows = [], []
     for rate in args.request_rate:
-        run_result = asyncio.run(_run_rate(args, base_url, model, prompts, rate, qs))
+        run_result = asyncio.run(_run_rate(args, target, prompts, rate, qs))
         runs.append(run_result)
         rows.append(
             [
@@ -106,9 +130,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args,
         "serve",
         {
-            "base_url": base_url,
-            "model": model,
+            "base_url": target.base_url,
+            "model": target.model,
             "num_prompts": args.num_prompts,
+            "num_warmups": args.num_warmups,
             "random_input_len": args.random_input_len,
             "random_output_len": args.random_output_len,
             "max_concurrency": args.max_concurrency,
@@ -116,6 +141,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "runs": runs,
         },
     )
+
+
+def warm_up(args: argparse.Namespace, target: ServeTarget) -> None:
+    """`--num-warmups` requests of the run's first prompt, at most `--max-concurrency` at
+    a time, their figures dropped: the first requests a server sees pay one-off costs."""
+    if args.num_warmups < 1:
+        return
+    prompt = random_prompts(1, args.random_input_len, target.vocab_size, seed=args.seed)[0]
+    outcome = asyncio.run(_run_rate(args, target, [prompt] * args.num_warmups, math.inf, (50,)))
+    print(f"warm-up: {args.num_warmups} requests, {outcome['failed']} failed", flush=True)
 
 
 def _vocab_size(source: str) -> int:
@@ -135,8 +170,7 @@ def _vocab_size(source: str) -> int:
 
 async def _run_rate(
     args: argparse.Namespace,
-    base_url: str,
-    model: str,
+    target: ServeTarget,
     prompts: list[list[int]],
     rate: float,
     qs: tuple[int, ...],
@@ -148,11 +182,13 @@ async def _run_rate(
     semaphore = asyncio.Semaphore(limit)
     timeout = httpx.Timeout(None, connect=30)
     http_limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=http_limits) as http:
+    async with httpx.AsyncClient(
+        base_url=target.base_url, timeout=timeout, limits=http_limits
+    ) as http:
 
         async def one(prompt: list[int]) -> dict[str, Any]:
             async with semaphore:
-                return await _request(http, args, model, prompt)
+                return await _request(http, args, target.model, prompt)
 
         start = time.perf_counter()
         tasks = []

@@ -18,6 +18,7 @@ from decodegraph.benchmarks.common import (
     add_offline_args,
     engines_per_mode,
     finish,
+    offline_sampling_params,
     print_table,
     random_prompts,
 )
@@ -30,24 +31,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from decodegraph.sampling_params import SamplingParams
-
     if args.num_prompts < 1 or args.num_iters < 1:
         raise ValueError("--num-prompts, --num-iters: must be at least 1")
     # Room for max_num_seqs requests at a time, not for all of them at once.
-    base, engines = engines_per_mode(args, min(args.num_prompts, args.max_num_seqs))
+    base, engines, vocab = engines_per_mode(args, min(args.num_prompts, args.max_num_seqs))
     modes = list(engines)
-    vocab = engines[modes[0]].llm_engine.runner.vocab_size
     prompts = [
         {"prompt_token_ids": p}
         for p in random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
     ]
-    params = SamplingParams(
-        temperature=args.temperature,
-        ignore_eos=True,
-        max_tokens=args.output_len,
-        seed=0 if args.temperature > 0 else None,
-    )
+    params = offline_sampling_params(args)
+    prompt_tokens = args.num_prompts * args.input_len
+    output_tokens = args.num_prompts * args.output_len
     seconds: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.num_iters):
         for mode in modes:
@@ -55,12 +50,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outs = engines[mode].generate(prompts, params, use_tqdm=False)
             seconds[mode].append(time.perf_counter() - start)
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
-            expected = args.num_prompts * args.output_len
-            if generated != expected:
-                raise RuntimeError(f"{mode}: {generated} tokens generated, not {expected}")
+            if generated != output_tokens:
+                raise RuntimeError(f"{mode}: {generated} tokens generated, not {output_tokens}")
     results, rows = {}, []
-    prompt_tokens = args.num_prompts * args.input_len
-    output_tokens = args.num_prompts * args.output_len
     for mode in modes:
         elapsed = statistics.median(seconds[mode])
         graph_runner = engines[mode].llm_engine.runner.graph_runner

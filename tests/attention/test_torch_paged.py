@@ -242,6 +242,22 @@ def check(case: Case, out: torch.Tensor) -> None:
     torch.testing.assert_close(out[:n], case.expected, rtol=1e-5, atol=1e-5)
 
 
+def make_bfloat16_case(backend: AttentionBackend, reqs: list[tuple[int, int]]) -> Case:
+    """`make_case` over bfloat16 caches and workspace, with bfloat16 q/k/v (the reference
+    stays float32)."""
+    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
+    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
+    case = make_case(backend, reqs)
+    for name in ("query", "key", "value"):
+        setattr(case, name, getattr(case, name).bfloat16())
+    return case
+
+
+def check_bfloat16(case: Case, out: torch.Tensor) -> None:
+    n = case.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)
+
+
 GQA = [(4, 4), (4, 2), (4, 1), (6, 3)]
 
 
@@ -523,14 +539,8 @@ def test_bfloat16_with_a_window_and_soft_capping(kernel: str, block_size: int) -
     backend = make_backend(
         kernel, 8, 2, 16, block_size, 64, sliding_window=12, logits_soft_cap=20.0
     )
-    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
-    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
-    case = make_case(backend, [(40, 1), (0, 20), (25, 3)])
-    for name in ("query", "key", "value"):
-        setattr(case, name, getattr(case, name).bfloat16())
-    out = run(case)
-    n = case.metadata.num_actual_tokens
-    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)
+    case = make_bfloat16_case(backend, [(40, 1), (0, 20), (25, 3)])
+    check_bfloat16(case, run(case))
 
 
 def test_backends_declare_their_graph_support() -> None:
@@ -616,15 +626,11 @@ def test_bfloat16_decode_matches_the_reference(kernel: str, block_size: int) -> 
     """bf16 caches and q/k/v (the native operator computes in float32 from them; block
     sizes that are multiples of 16 take its vector path where AVX-512 is present)."""
     backend = make_backend(kernel, 8, 2, 16, block_size=block_size, max_model_len=64)
-    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
-    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
-    case = make_case(backend, [(n - 1, 1) for n in [1, 17, 40, 64]])
-    for name in ("query", "key", "value"):
-        setattr(case, name, getattr(case, name).bfloat16())
+    case = make_bfloat16_case(backend, [(n - 1, 1) for n in [1, 17, 40, 64]])
     out = run(case)
     assert out.dtype == torch.bfloat16
+    check_bfloat16(case, out)
     n = case.metadata.num_actual_tokens
-    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)
     k_tokens, _ = token_slots(backend, 0)
     slots = torch.tensor(case.slots)
     assert torch.equal(k_tokens[slots], case.key[:n].view(n, 2, 16))  # stored bit for bit
@@ -632,11 +638,5 @@ def test_bfloat16_decode_matches_the_reference(kernel: str, block_size: int) -> 
 
 def test_bfloat16_mixed_batch_matches_the_reference(kernel: str) -> None:
     backend = make_backend(kernel, 8, 2, 16, block_size=16, max_model_len=64)
-    backend.bind_kv_caches([(k.bfloat16(), v.bfloat16()) for k, v in backend.kv_caches])
-    backend.allocate_workspace(MAX_NUM_REQS, torch.bfloat16, torch.device("cpu"))
-    case = make_case(backend, [(0, 20), (30, 1), (5, 12)])
-    for name in ("query", "key", "value"):
-        setattr(case, name, getattr(case, name).bfloat16())
-    out = run(case)
-    n = case.metadata.num_actual_tokens
-    torch.testing.assert_close(out[:n].float(), case.expected, rtol=3e-2, atol=3e-2)
+    case = make_bfloat16_case(backend, [(0, 20), (30, 1), (5, 12)])
+    check_bfloat16(case, run(case))

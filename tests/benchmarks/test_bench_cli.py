@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from PIL import Image
 
@@ -105,3 +106,30 @@ def test_bench_serve_says_when_no_server_answers(capsys: pytest.CaptureFixture[s
     code = main([*FAST, "bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"])
     assert code == 2
     assert "no OpenAI-compatible server at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def _generation_tokens(base_url: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("decodegraph:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("decodegraph:generation_tokens_total not in /metrics")
+
+
+def test_bench_serve_sends_its_warmups_before_measuring_and_counts_none(
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "serve.json"
+    before = _generation_tokens(server.base_url)
+    code = main(
+        [*FAST, "bench", "serve", "--base-url", server.base_url, "--num-prompts", "5",
+         "--random-input-len", "8", "--random-output-len", "6", "--ignore-eos",
+         "--num-warmups", "3", "--max-concurrency", "2", "--output-json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    assert "warm-up: 3 requests, 0 failed" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["num_warmups"] == 3
+    (run,) = result["runs"]
+    assert run["completed"] == 5 and run["total_output_tokens"] == 5 * 6
+    # The server generated for the warm-ups too: (5 + 3) requests of 6 tokens.
+    assert _generation_tokens(server.base_url) - before == (5 + 3) * 6
