@@ -239,10 +239,16 @@ class AttentionBackend:
         (a cheaper dispatch, and no Python inside a compiled graph); None otherwise."""
         return None
 
+    def workspace_bytes(self, max_num_reqs: int, dtype: torch.dtype) -> int:
+        """Device bytes `allocate_workspace` takes for these arguments: the KV cache
+        budget reserves exactly this (none by default)."""
+        return 0
+
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Allocate, once and before capture, whatever the op needs at run time."""
+        """Allocate, once and before capture, whatever the op needs at run time
+        (`workspace_bytes` of it)."""
 
     def forward(
         self,
