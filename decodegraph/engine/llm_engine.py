@@ -19,7 +19,7 @@ from decodegraph.config import EngineConfig
 from decodegraph.core.kv_cache_spec import SlidingWindowSpec
 from decodegraph.core.kv_cache_utils import kv_cache_block_counts
 from decodegraph.core.scheduler import Scheduler
-from decodegraph.engine.arg_utils import EngineArgs
+from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 from decodegraph.engine.output_processor import OutputProcessor
 from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
@@ -104,8 +104,10 @@ class LLMEngine:
         self._prompt_tokens_total = 0
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT
+    ) -> LLMEngine:
+        return cls(engine_args.create_engine_config(usage_context))
 
     # ---------------------------------------------------------------- start-up
 
@@ -126,7 +128,7 @@ class LLMEngine:
                 budget = self.platform.available_kv_cache_memory(
                     cc.gpu_memory_utilization, self.platform.memory_allocated()
                 )
-                budget -= runner.workspace_bytes(runner.max_num_reqs)
+                budget -= runner.workspace_bytes()
                 if not self.config.enforce_eager:
                     budget -= runner.profile_peak_bytes
             counts = kv_cache_block_counts(

@@ -125,10 +125,13 @@ class ModelRunner:
         )
         return 2 * layers * self.block_size * self.num_kv_heads * self.head_size * elem
 
-    def workspace_bytes(self, max_num_reqs: int) -> int:
-        """Attention gather workspace: max_num_reqs contexts of max_model_len, K and V."""
-        per_block = self.kv_cache_bytes_per_block() // self.num_layers
-        return max_num_reqs * self.max_blocks_per_seq * per_block
+    def workspace_bytes(self) -> int:
+        """Device bytes every attention group's workspace takes (each backend says what
+        it allocates): the KV cache budget leaves them out."""
+        return sum(
+            backend.workspace_bytes(self.max_num_reqs, self.dtype)
+            for backend in self.groups.backends.values()
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -19,6 +19,7 @@ block table into a workspace allocated once (sized for max_model_len), and call
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -72,24 +73,51 @@ class CPUAttentionBackend(AttentionBackend):
             for pair in self.layer_caches
         ]
 
+    def _gathers(self, dtype: torch.dtype) -> bool:
+        """Whether steps gather contexts into a workspace: every step but the native
+        operator's (float32 and bfloat16 caches where it was built)."""
+        return self._native_op is None or dtype not in (torch.float32, torch.bfloat16)
+
+    def _workspace_shapes(
+        self, max_num_reqs: int, dtype: torch.dtype
+    ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each workspace tensor."""
+        # The native operator's scores, one row per intra-op thread (a large step splits
+        # its requests over them): one context's scores per query head of a KV head's
+        # group, then (head_size + 1) * block_size accumulators.
+        shapes = []
+        if self._native_op is not None:
+            group = self.num_heads // self.num_kv_heads
+            positions = group * self.max_blocks_per_seq + self.head_size + 1
+            shapes.append(((torch.get_num_threads(), positions * self.block_size), torch.float32))
+        if self._gathers(dtype):
+            # K and V of max_num_reqs contexts of max_model_len, as whole blocks; then
+            # the position of each gathered token.
+            block = (self.block_size, self.num_kv_heads, self.head_size)
+            rows = (max_num_reqs * self.max_blocks_per_seq, *block)
+            shapes += [(rows, dtype), (rows, dtype)]
+            shapes.append(((self.max_blocks_per_seq * self.block_size,), torch.int64))
+        return shapes
+
+    def workspace_bytes(self, max_num_reqs: int, dtype: torch.dtype) -> int:
+        return sum(
+            math.prod(shape) * t.itemsize
+            for shape, t in self._workspace_shapes(max_num_reqs, dtype)
+        )
+
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Gather buffers for `max_num_reqs` contexts of max_model_len tokens each."""
-        k_cache = self.kv_caches[0][0]
-        rows = max_num_reqs * self.max_blocks_per_seq
-        block = self.token_view(k_cache).shape[1:]  # one block as [block_size, kvh, d]
-        self._ws_k = torch.empty(rows, *block, dtype=k_cache.dtype, device=k_cache.device)
-        self._ws_v = torch.empty_like(self._ws_k)
-        self._positions = torch.arange(
-            self.max_blocks_per_seq * self.block_size, device=k_cache.device
-        )
-        # The native operator's, one row per intra-op thread (a large step splits its
-        # requests over them): one context's scores per query head of a KV head's group,
-        # then (head_size + 1) * block_size accumulators.
-        group = self.num_heads // self.num_kv_heads
-        positions = group * self.max_blocks_per_seq + self.head_size + 1
-        self._scores = torch.empty(torch.get_num_threads(), positions * self.block_size)
+        """The native operator's scores where it runs, and where steps gather contexts,
+        gather buffers for max_num_reqs of max_model_len."""
+        shapes = self._workspace_shapes(max_num_reqs, dtype)
+        if self._native_op is not None:
+            self._scores = torch.empty(shapes.pop(0)[0])
+        if shapes:
+            (rows, _), _, ((positions,), _) = shapes
+            self._ws_k = torch.empty(rows, dtype=dtype, device=device)
+            self._ws_v = torch.empty_like(self._ws_k)
+            self._positions = torch.arange(positions, device=device)
 
     def forward(
         self,
@@ -124,7 +152,8 @@ class CPUAttentionBackend(AttentionBackend):
             self._mixed(query, layer_idx, md, output)
 
     def graph_tensors(self, params_id: int) -> list[torch.Tensor]:
-        return [*super().graph_tensors(params_id), self._scores]
+        tensors = super().graph_tensors(params_id)
+        return tensors if self._scores is None else [*tensors, self._scores]
 
     def native_op_args(self, layer_idx: int, params_id: int) -> tuple | None:
         md = self.params[params_id]
@@ -179,7 +208,7 @@ class CPUAttentionBackend(AttentionBackend):
         scores = torch.matmul(q.view(b, kvh, -1, d), k.transpose(2, 3)).mul_(self.scale)
         scores = soft_cap_(scores, self.logits_soft_cap)
         if b > 1 or self.sliding_window:
-            lengths = md.seq_lens_host[:b].to(self._positions.device, non_blocking=True)
+            lengths = md.seq_lens[:b]  # on the device already (a host copy would race)
             positions = self._positions[: k.shape[2]]
             hidden = positions >= lengths[:, None]
             if self.sliding_window:  # before the window of the one new token
