@@ -114,7 +114,9 @@ class SchedulerConfig:
     """Continuous batching limits."""
 
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # defaults to max(2048, max_model_len)
+    # None: the platform's default for chunked prefill, by usage context (vLLM's rule,
+    # engine/arg_utils.py); without chunked prefill, max(max_model_len, 2048).
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:

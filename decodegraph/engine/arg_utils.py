@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,19 @@ from decodegraph.config import (
 )
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.bundled import DEFAULT_MODEL, bundled_model_path
-from decodegraph.platforms import platform_names
+from decodegraph.platforms import platform_class, platform_names
+
+# max_num_batched_tokens when neither it nor a platform default for the usage context is
+# given (vLLM's DEFAULT_MAX_NUM_BATCHED_TOKENS).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class UsageContext(enum.Enum):
+    """Who builds the engine (vLLM's names): some defaults differ between them."""
+
+    ENGINE_CONTEXT = "ENGINE_CONTEXT"
+    LLM_CLASS = "LLM_CLASS"
+    OPENAI_API_SERVER = "OPENAI_API_SERVER"
 
 
 @dataclass
@@ -118,8 +131,11 @@ class EngineArgs:
             )
         return cls(**values)
 
-    def create_engine_config(self) -> EngineConfig:
-        """Validate every field, read the checkpoint's config, fill the defaults."""
+    def create_engine_config(
+        self, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT
+    ) -> EngineConfig:
+        """Validate every field, read the checkpoint's config, fill the defaults (some
+        depend on `usage_context` and the platform, as in vLLM)."""
         from decodegraph.models.loader import get_config_dtype, load_hf_config, resolve_model_path
 
         model_config = ModelConfig(
@@ -167,7 +183,9 @@ class EngineArgs:
                 f"length ({limit})"
             )
         if scheduler_config.max_num_batched_tokens is None:
-            scheduler_config.max_num_batched_tokens = max(2048, model_config.max_model_len)
+            scheduler_config.max_num_batched_tokens = _default_max_num_batched_tokens(
+                scheduler_config, model_config.max_model_len, device_config.device, usage_context
+            )
         if compilation_config.cudagraph_mode is None:
             compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
         return EngineConfig(
@@ -179,6 +197,20 @@ class EngineArgs:
             device_config=device_config,
             enforce_eager=self.enforce_eager,
         )
+
+
+def _default_max_num_batched_tokens(
+    sc: SchedulerConfig, max_model_len: int, device: str, usage_context: UsageContext
+) -> int:
+    """vLLM's rule: with chunked prefill, the platform's default for the usage context
+    (a prompt longer than it is chunked); without, enough for a whole prompt. Never more
+    than max_num_seqs full-length sequences."""
+    if sc.enable_chunked_prefill:
+        defaults = platform_class(device).default_max_num_batched_tokens
+        tokens = defaults.get(usage_context.name, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    else:
+        tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    return min(tokens, sc.max_num_seqs * max_model_len)
 
 
 def _check_kv_cache_dtype(value: str, model_dtype: torch.dtype) -> None:

@@ -77,11 +77,14 @@ class AsyncLLM:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any) -> AsyncLLM:
-        """Build the engine from `EngineArgs` and start its thread."""
+    def from_engine_args(cls, engine_args: Any, usage_context: Any = None) -> AsyncLLM:
+        """Build the engine from `EngineArgs` (for `usage_context`, a UsageContext:
+        ENGINE_CONTEXT when None) and start its thread."""
+        from decodegraph.engine.arg_utils import UsageContext
         from decodegraph.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(engine_args))
+        context = UsageContext.ENGINE_CONTEXT if usage_context is None else usage_context
+        return cls(LLMEngine.from_engine_args(engine_args, context))
 
     # --- asyncio side ----------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from decodegraph.engine.arg_utils import EngineArgs
+from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 
 logger = logging.getLogger("decodegraph")
 
@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
             "engine working, not a model.",
             file=sys.stderr,
         )
-    engine = LLMEngine.from_engine_args(engine_args)
+    engine = LLMEngine.from_engine_args(engine_args, UsageContext.LLM_CLASS)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -82,7 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _graphs(args: argparse.Namespace) -> int:
     from decodegraph.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args), UsageContext.LLM_CLASS)
     report = graphs_report(engine)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from decodegraph.engine.arg_utils import EngineArgs
+from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 from decodegraph.engine.llm_engine import LLMEngine, PromptType
 from decodegraph.outputs import RequestOutput
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
@@ -35,7 +35,7 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown keyword(s) {unknown}")
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, UsageContext.LLM_CLASS)
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

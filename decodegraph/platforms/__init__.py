@@ -35,12 +35,17 @@ def platform_names() -> list[str]:
     return list(_PLATFORMS)
 
 
-def get_platform(name: str) -> Platform:
-    """A new instance of the platform named `name`."""
+def platform_class(name: str) -> type[Platform]:
+    """The platform class named `name` (its module imported on first use)."""
     entry = _PLATFORMS.get(name)
     if entry is None:
         raise ValueError(f"device: no platform named {name!r} ({', '.join(_PLATFORMS)})")
     if isinstance(entry, str):
         module, cls = entry.split(":")
         entry = getattr(importlib.import_module(module), cls)
-    return entry()
+    return entry
+
+
+def get_platform(name: str) -> Platform:
+    """A new instance of the platform named `name`."""
+    return platform_class(name)()

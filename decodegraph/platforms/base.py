@@ -97,6 +97,10 @@ class Platform:
     default_attention_backend: ClassVar[str | None] = None
     # Default capture sizes (docs/performance.md has the measurements behind them).
     default_capture_sizes: ClassVar[list[int]] = []
+    # max_num_batched_tokens with chunked prefill when none is given, by usage context
+    # (engine/arg_utils.py UsageContext); others get 2048. The profiling run is one
+    # forward of this many tokens.
+    default_max_num_batched_tokens: ClassVar[dict[str, int]] = {}
 
     def configure_process(self) -> None:
         """Process-wide settings the platform wants before the engine starts."""

@@ -33,6 +33,12 @@ class CpuPlatform(Platform):
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
     # in a process with a cold cache), so few sizes keep a cold start short.
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8]
+    # vLLM's CPU server default, offline too: the profiling run is an eager forward of
+    # this many tokens, which a larger default would only make start-up pay for.
+    default_max_num_batched_tokens: ClassVar[dict[str, int]] = {
+        "LLM_CLASS": 2048,
+        "OPENAI_API_SERVER": 2048,
+    }
     # Inductor options for CPU graphs; compilation_config.inductor_compile_config wins.
     # The C++ wrapper calls kernels without a Python frame each. Inductor's
     # decompose_mm_pass turns one-row matmuls (the batch-1 graph's projections) into its

@@ -53,6 +53,11 @@ class CudaPlatform(Platform):
     dist_backend: ClassVar[str] = "nccl"
     supports_graphs: ClassVar[bool] = True
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4] + list(range(8, 257, 8))
+    # vLLM's defaults for chunked prefill on large GPUs.
+    default_max_num_batched_tokens: ClassVar[dict[str, int]] = {
+        "LLM_CLASS": 16384,
+        "OPENAI_API_SERVER": 8192,
+    }
 
     def __init__(self) -> None:
         self._pool: object | None = None

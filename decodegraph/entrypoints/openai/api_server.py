@@ -233,9 +233,9 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
     """Build the engine from the parsed serve arguments and start its thread."""
-    from decodegraph.engine.arg_utils import EngineArgs
+    from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 
-    return AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    return AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), UsageContext.OPENAI_API_SERVER)
 
 
 def run_server(args: argparse.Namespace) -> None:
