@@ -59,6 +59,7 @@ class LLMEngine:
         self.config = config
         self.model_config = mc
         self.platform = get_platform(config.device_config.device)
+        self.platform.check_and_update_config(config)
         self.platform.configure_process()
         torch.manual_seed(mc.seed)
         self.tokenizer = get_tokenizer(mc, mc.model_path)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from decodegraph.config import CompilationConfig
+    from decodegraph.config import CompilationConfig, EngineConfig
 
 GraphFn = Callable[..., Any]
 
@@ -101,6 +101,9 @@ class Platform:
     # (engine/arg_utils.py UsageContext); others get 2048. The profiling run is one
     # forward of this many tokens.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {}
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """Refuse settings this platform cannot run, naming the field (vLLM's hook)."""
 
     def configure_process(self) -> None:
         """Process-wide settings the platform wants before the engine starts."""

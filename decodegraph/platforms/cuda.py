@@ -11,7 +11,7 @@ import torch
 from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
 
 if TYPE_CHECKING:
-    from decodegraph.config import CompilationConfig
+    from decodegraph.config import CompilationConfig, EngineConfig
 
 
 class CudaGraph(DeviceGraph):
@@ -62,6 +62,19 @@ class CudaPlatform(Platform):
     def __init__(self) -> None:
         self._pool: object | None = None
         self._capture_stream: torch.cuda.Stream | None = None
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        cc = config.compilation_config
+        mode = getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode)  # an enum by now
+        graphs = not config.enforce_eager and mode not in (None, "NONE")
+        if graphs and cc.cudagraph_num_of_warmups < 1:
+            # The first run of a Triton kernel compiles it; inside a capture that would
+            # be recorded or fail, so every graph is warmed up before it is captured.
+            raise ValueError(
+                "compilation_config.cudagraph_num_of_warmups: must be at least 1 on CUDA "
+                f"(got {cc.cudagraph_num_of_warmups}); kernels must be compiled before a "
+                "graph is captured"
+            )
 
     @property
     def default_attention_backend(self) -> str:  # type: ignore[override]

@@ -73,6 +73,7 @@ class InputBatch:
             raise ValueError(f"a uniform dummy batch has one token per request, not {num_tokens}")
         views = num_reqs if uniform else buffers.max_num_reqs
         b = buffers
+        b.wait_for_copies()
         b.input_ids.np[:num_tokens] = 0
         b.positions.np[:num_tokens] = 0
         for table in b.kv_groups:
@@ -83,7 +84,7 @@ class InputBatch:
         b.query_start_loc.np[: num_reqs + 1] = np.arange(num_reqs + 1)
         b.query_start_loc.np[num_reqs + 1 : views + 1] = num_reqs
         b.clear_block_rows(0, views)
-        b.copy_to_device(num_tokens, views)
+        b.copy_to_device(num_tokens, views, num_reqs)
         b.num_reqs_np[0] = num_reqs
         key = BatchDescriptor(num_tokens, num_tokens if uniform else None, uniform)
         return cls(
@@ -129,6 +130,7 @@ class InputBatch:
             padded_reqs = b.max_num_reqs
         else:
             padded_reqs = num_reqs
+        b.wait_for_copies()
         kv_groups = b.kv_groups
         first_group = kv_groups[0]
         ids, pos, slots = b.input_ids.np, b.positions.np, first_group.slot_mapping.np
@@ -173,7 +175,7 @@ class InputBatch:
             seq_lens[num_reqs:padded_reqs] = 0
             qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
             b.clear_block_rows(num_reqs, padded_reqs)
-        b.copy_to_device(padded_tokens, padded_reqs)
+        b.copy_to_device(padded_tokens, padded_reqs, num_reqs)
         b.num_reqs_np[0] = num_reqs
         return cls(
             req_ids=req_ids,

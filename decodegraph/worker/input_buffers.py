@@ -8,6 +8,8 @@ one non-blocking copy; on CPU the host view *is* the buffer.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -82,6 +84,7 @@ class InputBuffers:
         block_size: int,
         device: torch.device,
         num_kv_groups: int = 1,
+        copy_event: Any = None,
     ) -> None:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
@@ -104,6 +107,15 @@ class InputBuffers:
         # (group, padded reqs, padded tokens) -> the attention metadata over views of
         # these buffers (made once per shape; a step rewrites its host values).
         self._metadata: dict[tuple[int, int, int], AttentionMetadata] = {}
+        # On an accelerator: an event recorded after each step's host-to-device copies,
+        # waited on before the host arrays are written again. A non-blocking copy from
+        # pinned memory reads it when the device gets to it; a step that samples nothing
+        # (a long prompt's chunk alone) never waits for the device otherwise, so the next
+        # step's writes could land before the last copy read them (vLLM #35137, #32799).
+        if copy_event is None and device.type != "cpu":
+            copy_event = torch.Event(device)
+        self._copy_done = copy_event
+        self._copy_pending = False
 
     @property
     def slot_mapping(self) -> PersistentBuffer:
@@ -153,8 +165,17 @@ class InputBuffers:
         for table in self.kv_groups:
             table.clear_rows(start, end)
 
-    def copy_to_device(self, num_tokens: int, num_reqs: int) -> None:
-        if self.input_ids.gpu is self.input_ids.cpu:
+    def wait_for_copies(self) -> None:
+        """Before writing the host arrays: the last step's copies have read them."""
+        if self._copy_pending:
+            self._copy_done.synchronize()
+            self._copy_pending = False
+
+    def copy_to_device(self, num_tokens: int, num_reqs: int, num_table_rows: int) -> None:
+        """Make the step's rows visible on the device: `num_tokens` token rows,
+        `num_reqs` request rows, and the block tables of the first `num_table_rows`
+        requests (rows past the batch have length 0 and are never read)."""
+        if self._copy_done is None:
             return  # CPU: the host arrays are the buffers
         for buf in (self.input_ids, self.positions):
             buf.copy_to_device(num_tokens)
@@ -162,5 +183,7 @@ class InputBuffers:
             buf.copy_to_device(num_reqs)
         for table in self.kv_groups:
             table.slot_mapping.copy_to_device(num_tokens)
-            table.block_table.copy_to_device(num_reqs)
+            table.block_table.copy_to_device(num_table_rows)
         self.query_start_loc.copy_to_device(num_reqs + 1)
+        self._copy_done.record()
+        self._copy_pending = True

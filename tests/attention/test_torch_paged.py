@@ -551,6 +551,37 @@ def test_backends_declare_their_graph_support() -> None:
     )
 
 
+@pytest.mark.parametrize("lengths", [[1], [9, 3, 17], [5, 30]], ids=str)
+def test_cuda_torch_takes_its_graph_safe_branch_under_a_graphs_params(
+    lengths: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The branch follows the params id in the forward context, so a full graph's
+    warm-up runs the very code its capture records (not "am I capturing", which the
+    warm-up is not). Both branches agree with the reference, padded rows included."""
+    backend = CUDATorchAttentionBackend(4, 2, 8, 8**-0.5, 4, 64)
+    shape = backend.get_kv_cache_shape(NUM_BLOCKS, 4, 2, 8)
+    backend.bind_kv_caches([(torch.zeros(shape), torch.zeros(shape)) for _ in range(NUM_LAYERS)])
+    backend.allocate_workspace(MAX_NUM_REQS, torch.float32, torch.device("cpu"))
+    pad = MAX_NUM_REQS - len(lengths)  # a graph's size: at most max_num_seqs rows
+    case = make_case(backend, [(n - 1, 1) for n in lengths], pad_tokens=pad, pad_reqs=pad)
+    eager_branch = []
+    parent = CPUAttentionBackend.forward
+
+    def counting(self, *args):  # noqa: ANN001, ANN202
+        eager_branch.append(args[-1])
+        return parent(self, *args)
+
+    monkeypatch.setattr(CPUAttentionBackend, "forward", counting)
+    check(case, run(case))
+    params_id = backend.new_graph_params(case.metadata)
+    with set_forward_context(ForwardContext(backend, params_id)):
+        out = torch.ops.decodegraph.unified_attention(
+            case.query, case.key, case.value, 0, params_id
+        )
+    check(case, out)
+    assert eager_branch == [EAGER_PARAMS_ID]
+
+
 _BAD_METADATA = """
 import sys
 import torch

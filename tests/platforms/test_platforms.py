@@ -7,6 +7,7 @@ import importlib.util
 import logging
 from contextlib import ExitStack
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
 )
-from decodegraph.config import DeviceConfig
+from decodegraph.config import CompilationConfig, DeviceConfig
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.platforms import get_platform, platform_names
@@ -51,6 +52,29 @@ def test_get_platform_cuda_needs_no_device_to_describe_itself() -> None:
     assert platform.supports_graphs
     expected = "TRITON_ATTN" if importlib.util.find_spec("triton") else "CUDA_TORCH"
     assert platform.default_attention_backend == expected
+
+
+@pytest.mark.parametrize(
+    "mode, enforce_eager, refused",
+    [("FULL_DECODE_ONLY", False, True), ("PIECEWISE", False, True), ("NONE", False, False)]
+    + [("FULL_DECODE_ONLY", True, False)],
+)
+def test_cuda_refuses_graphs_without_a_warm_up(
+    mode: str, enforce_eager: bool, refused: bool
+) -> None:
+    """A Triton kernel compiles on its first run, which must never be inside a capture."""
+    config = SimpleNamespace(
+        enforce_eager=enforce_eager,
+        compilation_config=CompilationConfig(cudagraph_mode=mode, cudagraph_num_of_warmups=0),
+    )
+    check = get_platform("cuda").check_and_update_config
+    if refused:
+        with pytest.raises(ValueError, match=r"compilation_config.cudagraph_num_of_warmups: .*1"):
+            check(config)  # type: ignore[arg-type]
+    else:
+        check(config)  # type: ignore[arg-type]
+    config.compilation_config.cudagraph_num_of_warmups = 1
+    check(config)  # type: ignore[arg-type]
 
 
 def test_the_attention_backend_can_be_chosen_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

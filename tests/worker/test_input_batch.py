@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from decodegraph.forward_context import BatchDescriptor
@@ -103,3 +104,67 @@ def test_the_profiling_dummy_has_no_requests_and_writes_no_slot() -> None:
     assert (b.slot_mapping.np[:16] == -1).all()
     md = batch.attention_metadata(b)
     assert md.num_reqs == 0 and md.num_actual_tokens == 0
+
+
+class _RecordingEvent:
+    """Stands in for a device event; logs each call with what the host ids held then."""
+
+    def __init__(self) -> None:
+        self.buffers: InputBuffers | None = None
+        self.log: list[tuple[str, list[int]]] = []
+
+    def _ids(self) -> list[int]:
+        assert self.buffers is not None
+        return self.buffers.input_ids.np[:2].tolist()
+
+    def record(self) -> None:
+        self.log.append(("record", self._ids()))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self._ids()))
+
+
+def _device_buffers(event: _RecordingEvent, max_reqs: int = 6) -> InputBuffers:
+    """Buffers whose device side is not the host side (meta tensors: copies do nothing)."""
+    b = InputBuffers(16, max_reqs, 8, BS, torch.device("meta"), copy_event=event)
+    event.buffers = b
+    return b
+
+
+def test_the_host_arrays_are_written_only_after_the_last_copy_read_them() -> None:
+    """Two steps that sample nothing (prefill chunks): the second waits on the event the
+    first recorded after its copies, before it writes a single host value."""
+    event = _RecordingEvent()
+    b = _device_buffers(event)
+    state = _state("p", list(range(10, 20)), 0, [5, 6, 7])
+    key = BatchDescriptor(2, None, False)
+    for _ in range(2):
+        batch = InputBatch.prepare(["p"], [state], [2], RuntimeMode.NONE, key, b)
+        assert batch.sample_rows == []
+    assert event.log == [("record", [10, 11]), ("synchronize", [10, 11]), ("record", [12, 13])]
+
+
+def test_a_step_after_a_synchronised_one_does_not_wait_again() -> None:
+    event = _RecordingEvent()
+    b = _device_buffers(event)
+    InputBatch.make_dummy(1, 1, True, b)
+    b.wait_for_copies()
+    InputBatch.make_dummy(1, 1, True, b)
+    assert [name for name, _ in event.log] == ["record", "synchronize", "record"]
+
+
+def test_a_mixed_full_key_copies_the_block_rows_of_its_requests_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its metadata spans every request row, but rows past the batch are never read:
+    one block-table row per request crosses to the device, not max_num_seqs."""
+    b = _device_buffers(_RecordingEvent(), max_reqs=6)
+    copied: list[int] = []
+    table = b.kv_groups[0].block_table
+    monkeypatch.setattr(table, "copy_to_device", copied.append)
+    states = [_state("p", list(range(10, 20)), 2, [5, 6, 7]), _state("d", [1, 2], 1, [4])]
+    batch = InputBatch.prepare(
+        ["p", "d"], states, [4, 1], RuntimeMode.FULL, BatchDescriptor(8, None, False), b
+    )
+    assert batch.num_reqs_after_padding == 6
+    assert copied == [2]

@@ -33,6 +33,7 @@ from decodegraph.attention.backends.base import (
     explicit_attention,
     soft_cap_,
 )
+from decodegraph.forward_context import EAGER_PARAMS_ID
 from decodegraph.native import load_cpu_ops
 
 
@@ -276,7 +277,9 @@ class CUDATorchAttentionBackend(CPUAttentionBackend):
         params_id: int,
     ) -> None:
         md = self.params[params_id]
-        if not (md.uniform_decode and torch.cuda.is_current_stream_capturing()):
+        # A full graph's params (its warm-ups and its capture alike; piecewise steps and
+        # eager ones run with the eager params): the one branch that is graph-safe.
+        if not (md.uniform_decode and params_id != EAGER_PARAMS_ID):
             super().forward(query, key, value, output, layer_idx, params_id)
             return
         # Captured decode: nothing here may depend on host values except shapes.
