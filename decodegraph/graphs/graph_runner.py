@@ -196,8 +196,14 @@ class GraphRunner:
             params_id = self.graph_params[key] = ids.pop()
             context = dataclasses.replace(base, params_id=params_id)
             with set_forward_context(context):
+                # A step reads a full graph's outputs before the next replay: the pool
+                # may reuse their memory (largest first, so one size's logits at most).
                 graph = self.platform.make_graph(
-                    name, fn, self.graph_inputs(mode, key), self.compilation_config
+                    name,
+                    fn,
+                    self.graph_inputs(mode, key),
+                    self.compilation_config,
+                    weak_outputs=True,
                 )
             count = 1
         else:

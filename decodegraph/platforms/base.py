@@ -131,9 +131,15 @@ class Platform:
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
+        weak_outputs: bool = False,
     ) -> DeviceGraph:
         """Capture `fn(*inputs)` into a graph bound to `inputs` (warm-ups included), in
-        the platform's one memory pool (`graph_pool()`)."""
+        the platform's one memory pool (`graph_pool()`).
+
+        `weak_outputs`: the caller reads a replay's outputs before any graph replays
+        again, so a platform whose outputs live in the pool may hold them without owning
+        their memory, for later captures to reuse (vLLM's weak_ref_tensors): otherwise
+        every size's logits stay allocated side by side."""
         raise NotImplementedError(f"platform {self.name} cannot capture graphs")
 
     def make_piece(

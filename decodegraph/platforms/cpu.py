@@ -83,7 +83,9 @@ class CpuPlatform(Platform):
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
+        weak_outputs: bool = False,
     ) -> DeviceGraph:
+        # A CPU graph's outputs are new tensors at every replay: nothing to share.
         return CpuGraph(
             name,
             fn,

@@ -7,11 +7,22 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.utils import _pytree as pytree
 
 from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
 
 if TYPE_CHECKING:
     from decodegraph.config import CompilationConfig, EngineConfig
+
+
+def unowned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory that does not keep it allocated (vLLM's
+    weak_ref_tensor): valid while whatever owns that memory (a graph pool) keeps it."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        t.untyped_storage().data_ptr(), t.device, t.untyped_storage().nbytes()
+    )
+    view = torch.empty(0, dtype=t.dtype, device=t.device)
+    return view.set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
 class CudaGraph(DeviceGraph):
@@ -29,6 +40,7 @@ class CudaGraph(DeviceGraph):
         pool: object | None,
         num_warmups: int,
         stream: torch.cuda.Stream,
+        weak_outputs: bool = False,
     ) -> None:
         super().__init__(name, inputs)
         self._graph = torch.cuda.CUDAGraph()
@@ -38,9 +50,13 @@ class CudaGraph(DeviceGraph):
                 fn(*self.inputs)
             stream.synchronize()
             with torch.cuda.graph(self._graph, pool=pool, stream=stream):
-                self._output = fn(*self.inputs)
+                output = fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        # Weak: the outputs' memory goes back to the pool now, for the next capture.
+        self._output = (
+            pytree.tree_map_only(torch.Tensor, unowned, output) if weak_outputs else output
+        )
 
     def _run(self) -> Any:
         self._graph.replay()
@@ -96,6 +112,7 @@ class CudaPlatform(Platform):
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
+        weak_outputs: bool = False,
     ) -> DeviceGraph:
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
@@ -106,6 +123,7 @@ class CudaPlatform(Platform):
             self.graph_pool(),
             config.cudagraph_num_of_warmups,
             self._capture_stream,
+            weak_outputs,
         )
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:

@@ -72,6 +72,22 @@ def test_capture_runs_largest_first_into_the_platforms_one_pool(stories_dir: Pat
     assert {pool for _, pool in platform.captures} == {platform.graph_pool()}
 
 
+def test_full_graphs_let_the_pool_reuse_their_outputs_and_pieces_do_not(
+    stories_dir: Path,
+) -> None:
+    """A full graph's logits are read before the next replay, so their memory may go
+    back to the pool (one size's logits held at most, not every size's side by side);
+    a piece's outputs are the next piece's inputs and must stay allocated."""
+    with registered_platform(StaticGraphPlatform) as device:
+        llm = _llm(stories_dir, "FULL_AND_PIECEWISE", [1, 2, 4], device=device)
+    platform = llm.llm_engine.platform
+    weak = {name: w for (name, _), w in zip(platform.captures, platform.weak_outputs, strict=True)}
+    full = {name for name in weak if name.startswith("FULL(")}
+    assert len(full) == 3
+    assert all(weak[name] for name in full)
+    assert not any(weak[name] for name in set(weak) - full)
+
+
 def test_capture_freezes_the_garbage_collector_during_capture_only(
     stories_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

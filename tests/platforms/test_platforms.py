@@ -24,7 +24,7 @@ from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.platforms import get_platform, platform_names
 from decodegraph.platforms.base import Platform
 from decodegraph.platforms.cpu import CpuPlatform
-from decodegraph.platforms.cuda import CudaPlatform
+from decodegraph.platforms.cuda import CudaPlatform, unowned
 from tests.utils.platforms import NoGraphCpuPlatform, registered_backend, registered_platform
 from tests.utils.requests import greedy
 
@@ -75,6 +75,22 @@ def test_cuda_refuses_graphs_without_a_warm_up(
         check(config)  # type: ignore[arg-type]
     config.compilation_config.cudagraph_num_of_warmups = 1
     check(config)  # type: ignore[arg-type]
+
+
+def test_an_unowned_view_aliases_without_holding_the_memory() -> None:
+    """What a CUDA graph keeps of outputs captured with weak_outputs (checked on CPU
+    tensors: the storage's owners do not change)."""
+    base = torch.arange(12.0).view(3, 4)[1:]
+    owners = torch._C._storage_Use_Count(base.untyped_storage()._cdata)
+    view = unowned(base)
+    assert torch._C._storage_Use_Count(base.untyped_storage()._cdata) == owners
+    assert (view.data_ptr(), view.shape, view.stride()) == (
+        base.data_ptr(),
+        base.shape,
+        base.stride(),
+    )
+    base[0, 0] = -1.0
+    assert view[0, 0].item() == -1.0
 
 
 def test_the_attention_backend_can_be_chosen_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,6 +63,8 @@ class StaticGraphPlatform(Platform):
         self.graphs_made: list[StaticGraph] = []
         # (graph name, pool) per make_graph call, in order.
         self.captures: list[tuple[str, object | None]] = []
+        # The weak_outputs argument of each make_graph call, in order.
+        self.weak_outputs: list[bool] = []
         self._pool = object()
 
     def graph_pool(self) -> object:
@@ -77,10 +79,12 @@ class StaticGraphPlatform(Platform):
         fn: GraphFn,
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
+        weak_outputs: bool = False,
     ) -> DeviceGraph:
         graph = StaticGraph(name, fn, inputs, self.graph_decompositions())
         self.graphs_made.append(graph)
         self.captures.append((name, self.graph_pool()))
+        self.weak_outputs.append(weak_outputs)
         return graph
 
     def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
