@@ -20,6 +20,7 @@ from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.graphs.piecewise import PiecewiseGraph
 from decodegraph.platforms.base import InputAddressError
 from decodegraph.platforms.cuda import CudaGraph
+from decodegraph.sampling_params import SamplingParams
 from tests.utils.checkpoints import make_checkpoint
 from tests.utils.kv import changed_slots
 from tests.utils.requests import greedy
@@ -206,3 +207,73 @@ def test_a_small_model_starts_with_graphs_and_the_default_memory_budget(
         runner.num_blocks_per_group[0] - 1
         >= runner.max_num_reqs * runner.attn_backend.max_blocks_per_seq
     )
+
+
+def test_warm_up_and_capture_run_on_one_side_stream() -> None:
+    streams: list[torch.cuda.Stream] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        streams.append(torch.cuda.current_stream())
+        return x * 2
+
+    stream = torch.cuda.Stream()
+    CudaGraph("g", fn, [torch.ones(4, device="cuda")], torch.cuda.graph_pool_handle(), 2, stream)
+    assert len(streams) == 3  # two warm-ups, then the capture
+    assert all(s == stream for s in streams)
+    assert stream != torch.cuda.default_stream()
+
+
+def test_a_long_prompt_chunked_alone_matches_one_step(tmp_path: Path) -> None:
+    """Chunks with no decodes beside them sample nothing, so nothing synchronises the
+    host between steps: the pinned buffers must wait for their last copy (issue 12)."""
+    path = make_checkpoint(tmp_path, "llama-gqa")
+    prompt = [1] + [random.Random(5).randrange(3, 127) for _ in range(100)]
+    ids = {}
+    for tokens in (16, 128):
+        llm = LLM(
+            str(path),
+            device="cuda",
+            dtype="float32",
+            skip_tokenizer_init=True,
+            compilation_config={
+                "cudagraph_mode": "FULL_AND_PIECEWISE",
+                "cudagraph_capture_sizes": SIZES,
+            },
+            max_model_len=128,
+            max_num_batched_tokens=tokens,
+            kv_cache_memory_bytes=16 << 20,
+        )
+        ids[tokens] = _greedy(llm, [prompt])
+        del llm
+    assert ids[16] == ids[128]
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_bf16_graphs_agree_with_eager_within_logprob_tolerance(
+    tmp_path_factory: pytest.TempPathFactory, backend: str, mode: str
+) -> None:
+    from decodegraph.benchmarks.accuracy import check_logprobs_close
+
+    path = make_checkpoint(tmp_path_factory.mktemp("bf16"), "llama-gqa")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    prompts = _prompts(6, seed=9)
+    outs = {}
+    for m in ("NONE", mode):
+        os.environ[ENV_VAR] = backend
+        try:
+            llm = LLM(
+                str(path),
+                device="cuda",
+                dtype="bfloat16",
+                skip_tokenizer_init=True,
+                compilation_config={"cudagraph_mode": m, "cudagraph_capture_sizes": SIZES},
+                max_model_len=128,
+                max_num_seqs=16,
+                kv_cache_memory_bytes=16 << 20,
+            )
+        finally:
+            del os.environ[ENV_VAR]
+        result = llm.generate(prompts, params, use_tqdm=False)
+        outs[m] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in result]
+        del llm
+    check_logprobs_close(outs["NONE"], outs[mode], "NONE", mode)
