@@ -327,8 +327,10 @@ class LLMEngine:
         messages: list[dict],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """Render `messages` with the model's (or the given) chat template."""
+        """Render `messages` with the model's (or the given) chat template; `tools`
+        (OpenAI's function dicts) go to the template as its `tools`."""
         if self.tokenizer is None:
             raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init is set)")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -342,4 +344,5 @@ class LLMEngine:
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools,
         )
