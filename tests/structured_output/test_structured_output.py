@@ -1,0 +1,79 @@
+"""Offline structured outputs: StructuredOutputsParams' checks, the grammar cache, a bad
+spec's ValueError, and a grammar's end stopping the request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decodegraph import LLM, SamplingParams
+from decodegraph.sampling_params import StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def llm(stories_dir: Path) -> LLM:
+    return LLM(
+        str(stories_dir),
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        structured_outputs_config={"disable_any_whitespace": True},
+    )
+
+
+def test_params_need_exactly_one_kind() -> None:
+    with pytest.raises(ValueError, match="^structured_outputs: exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="^structured_outputs: exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="^structured_outputs.choice:"):
+        StructuredOutputsParams(choice=[""])
+    with pytest.raises(ValueError, match="^structured_outputs.json: not valid JSON"):
+        StructuredOutputsParams(json="{")
+    with pytest.raises(ValueError, match="^structured_outputs: must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_a_schema_as_dict_or_text_shares_one_cache_entry() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    as_text = json.dumps(schema, indent=2)
+    assert StructuredOutputsParams(json=schema).key() == StructuredOutputsParams(json=as_text).key()
+
+
+def test_a_grammar_compiles_once_per_spec(llm: LLM) -> None:
+    manager = llm.llm_engine.structured_output
+    spec = StructuredOutputsParams(regex="[a-c]{2}")
+    before = manager.num_compiled
+    params = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=spec)
+    outs = llm.generate(["Once"] * 3, [params] * 3, use_tqdm=False)
+    llm.generate("Twice", SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)
+    assert manager.num_compiled == before + 1
+    assert all(len(o.outputs[0].text) == 2 for o in outs)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"json": {"type": "foo"}}, "structured_outputs.json"),
+        ({"regex": "(ab"}, "structured_outputs.regex"),
+        ({"grammar": 'root ::= "a" | '}, "structured_outputs.grammar"),
+    ],
+)
+def test_an_invalid_spec_is_a_value_error_naming_it_and_queues_nothing(
+    llm: LLM, spec: dict, field: str
+) -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match=f"^{field.replace('.', '[.]')}: "):
+        llm.generate("Once", params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_grammars_end_stops_the_request_with_eos(llm: LLM) -> None:
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    out = llm.generate(
+        "Once", SamplingParams(max_tokens=20, structured_outputs=spec), use_tqdm=False
+    )[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert out.token_ids[-1] == llm.llm_engine.eos_token_id
