@@ -49,8 +49,7 @@ class XgrammarGrammar:
         terminated grammar (its stop token taken) allows only stop tokens again."""
         if self.matcher.is_terminated():
             bitmask[row].zero_()
-            for t in self.matcher.stop_token_ids:
-                bitmask[row, t // 32] |= _bit(t % 32)
+            set_bits(bitmask, row, self.matcher.stop_token_ids)
             return
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -58,9 +57,12 @@ class XgrammarGrammar:
         return self.matcher.is_terminated()
 
 
-def _bit(i: int) -> int:
-    # Bit 31 of an int32 is its sign bit.
-    return (1 << i) - (1 << 32 if i == 31 else 0)
+def set_bits(bitmask: torch.Tensor, row: int, token_ids: list[int]) -> None:
+    """Allow `token_ids` in row `row` of an int32 bitmask."""
+    for t in token_ids:
+        bit = t % 32
+        # Bit 31 of an int32 is its sign bit.
+        bitmask[row, t // 32] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 class XgrammarBackend:
@@ -76,6 +78,7 @@ class XgrammarBackend:
         # xgrammar's own cache stays off: StructuredOutputManager keeps one by spec.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:
         c = self.compiler
@@ -96,6 +99,9 @@ class XgrammarBackend:
 
     def new_grammar(self, compiled: xgr.CompiledGrammar) -> XgrammarGrammar:
         return XgrammarGrammar(compiled)
+
+    def allow_stop_tokens(self, bitmask: torch.Tensor, row: int) -> None:
+        set_bits(bitmask, row, self.stop_token_ids)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """A bitmask of `num_rows` rows that allows every token."""

@@ -78,11 +78,21 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
                 return compiled
             compiled = self.backend.compile(key)
+            self._check_satisfiable(compiled, key)
             self.num_compiled += 1
             self._cache[key] = compiled
             if len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
             return compiled
+
+    def _check_satisfiable(self, compiled: object, key: GrammarKey) -> None:
+        """A grammar that allows no first token (`root ::= root`, `anyOf: []`) would mask
+        every logit of its request: refuse it with the other invalid specs."""
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(1)
+        backend.new_grammar(compiled).fill_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"structured_outputs.{key.kind}: the grammar allows no output")
 
     def new_grammar(self, params: StructuredOutputsParams):  # noqa: ANN201
         """A fresh matcher for one request."""
@@ -96,4 +106,11 @@ class StructuredOutputManager:
         bitmask = self.backend.allocate_bitmask(len(grammars))
         for i in rows:
             grammars[i].fill_bitmask(bitmask, i)
+        # The bitmask is on the host: numpy answers this faster than torch.
+        nonempty = bitmask.numpy().any(axis=1)
+        if not nonempty.all():
+            # A dead end inside a grammar (no token continues it): let the request stop
+            # rather than sample from a row of -inf.
+            for i in (~nonempty).nonzero()[0].tolist():
+                self.backend.allow_stop_tokens(bitmask, i)
         return StructuredOutputMask(bitmask, rows, self.backend)

@@ -77,3 +77,18 @@ def test_the_grammars_end_stops_the_request_with_eos(llm: LLM) -> None:
     )[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert out.token_ids[-1] == llm.llm_engine.eos_token_id
+
+
+def test_a_grammar_that_allows_nothing_is_refused(llm: LLM) -> None:
+    spec = StructuredOutputsParams(grammar="root ::= root")
+    with pytest.raises(ValueError, match="^structured_outputs[.]grammar: .*allows no output"):
+        llm.llm_engine.structured_output.compile(spec)
+
+
+def test_a_dead_end_inside_a_grammar_ends_the_request(llm: LLM) -> None:
+    """After "a" no token can follow (x only derives itself): the row allows EOS."""
+    spec = StructuredOutputsParams(grammar='root ::= "a" x\nx ::= x')
+    out = llm.generate(
+        "Once", SamplingParams(max_tokens=10, structured_outputs=spec), use_tqdm=False
+    )[0].outputs[0]
+    assert out.text == "a" and out.finish_reason == "stop"
