@@ -53,8 +53,13 @@ class StructuredOutputsParams:
                 parsed = json_lib.loads(self.json)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from e
-            if not isinstance(parsed, (dict, bool)):
+            if not isinstance(parsed, dict):
                 raise ValueError("structured_outputs.json: a JSON schema must be an object")
+        elif isinstance(self.json, dict):
+            try:
+                json_lib.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json: not JSON-serialisable: {e}") from e
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

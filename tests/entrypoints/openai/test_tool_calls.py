@@ -281,3 +281,48 @@ def test_serve_flags_parse_with_vllms_names() -> None:
     assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
     with pytest.raises(SystemExit):
         make_arg_parser(argparse.ArgumentParser()).parse_args(["--tool-call-parser", "nope"])
+
+
+# What a Hermes-style model writes to call get_time; a guided choice makes stories260K
+# write exactly this, so the auto path's parsing runs end to end.
+HERMES_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+LLAMA_CALL = '{"name": "get_time", "parameters": {"zone": "CET"}}'
+
+
+@pytest.fixture(scope="module")
+def llama_server(stories_dir: Path) -> Iterator[RunningServer]:
+    running = start_server(
+        make_engine(stories_dir, max_model_len=256),
+        chat_template=TOOLS_TEMPLATE,
+        enable_auto_tool_choice=True,
+        tool_call_parser="llama3_json",
+    )
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_auto_tool_choice_parses_a_written_call(
+    server: RunningServer, llama_server: RunningServer, parser: str, stream: bool
+) -> None:
+    running, text, zone = (
+        (server, HERMES_CALL, "UTC") if parser == "hermes" else (llama_server, LLAMA_CALL, "CET")
+    )
+    kwargs = {"tool_choice": "auto", "max_tokens": 150, "extra_body": {"guided_choice": [text]}}
+    if stream:
+        calls, finish, content = _streamed(running, **kwargs)
+        assert content == "" and list(calls) == [0]
+        call = calls[0]
+        name, arguments = call["name"], call["arguments"]
+        assert call["id"].startswith("chatcmpl-tool-")
+    else:
+        out = running.client().chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, **kwargs
+        )
+        finish = out.choices[0].finish_reason
+        assert not out.choices[0].message.content
+        (tool_call,) = out.choices[0].message.tool_calls
+        name, arguments = tool_call.function.name, tool_call.function.arguments
+    assert finish == "tool_calls"
+    assert name == "get_time" and json.loads(arguments) == {"zone": zone}
