@@ -232,7 +232,7 @@ class ModelRunner:
             meta = SamplingMetadata.from_requests(
                 sampling_states, self.vocab_size, self.device, self._sampling_statics
             )
-            if self.structured_output is not None:
+            if self.requests.num_with_grammar:
                 # A mask makes is_fast_greedy False: the graph's argmax is not used.
                 meta.structured_output_mask = self.structured_output.grammar_bitmask(
                     [s.grammar for s in sampling_states]

@@ -104,6 +104,8 @@ class RequestStates:
         self.device = device
         self.structured_output = structured_output
         self.states: dict[str, CachedRequestState] = {}
+        # States with a grammar: while none is, a step builds no bitmask at all.
+        self.num_with_grammar = 0
 
     def __len__(self) -> int:
         return len(self.states)
@@ -124,11 +126,15 @@ class RequestStates:
         if not (so.finished_req_ids or so.scheduled_new_reqs or cached.req_ids):
             return [states[req_id] for req_id in so.req_ids], _NONE  # most decode steps
         for req_id in so.finished_req_ids:
-            states.pop(req_id, None)
+            gone = states.pop(req_id, None)
+            if gone is not None and gone.grammar is not None:
+                self.num_with_grammar -= 1
         for new in so.scheduled_new_reqs:
-            states[new.req_id] = CachedRequestState.from_new_request(
+            state = states[new.req_id] = CachedRequestState.from_new_request(
                 new, self.device, self.structured_output
             )
+            if state.grammar is not None:
+                self.num_with_grammar += 1
         replaced: set[str] = set()
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,
