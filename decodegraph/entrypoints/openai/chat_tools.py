@@ -163,6 +163,26 @@ def _required_calls(text: str) -> list[ToolCall]:
         return []  # cut short by max_tokens: the text goes back as content
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _complete_required_calls(text: str) -> list[ToolCall]:
+    """The calls whose objects are complete in a "required" list still being written."""
+    pos = text.find("[") + 1
+    if pos == 0:
+        return []
+    calls = []
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ","):
+            pos += 1
+        try:
+            obj, pos = _DECODER.raw_decode(text, pos)
+            arguments = json.dumps(obj["parameters"], ensure_ascii=False)
+            calls.append(ToolCall(function=FunctionCall(name=obj["name"], arguments=arguments)))
+        except (ValueError, KeyError, TypeError):
+            return calls
+
+
 @dataclass
 class ToolDelta:
     """What one streamed output of a choice adds."""
@@ -174,8 +194,8 @@ class ToolDelta:
 class ToolStream:
     """One streamed choice: turns each new piece of text into content and tool-call
     deltas. Calls found by a parser (auto) or in a "required" list go out whole, one
-    delta each, as soon as they are complete; a named function's arguments go out as
-    they come."""
+    delta each, as soon as their JSON is complete; a named function's arguments go out
+    as they come."""
 
     def __init__(self, tools: ChatTools) -> None:
         self.tools = tools
@@ -191,12 +211,10 @@ class ToolStream:
         if tools.named is not None:
             return self._named(delta_text)
         if tools.choice == "required":
-            if not finished:
-                return ToolDelta()
-            content, calls, _ = tools.message(self.text)
-            if not calls:
-                return ToolDelta(content=content)
-            return ToolDelta(tool_calls=self._whole(calls))
+            out = ToolDelta(tool_calls=self._whole(_complete_required_calls(self.text)))
+            if finished and not self.called:
+                out.content = self.text  # cut short before its first call was complete
+            return out
         parser = tools.parser
         if parser is None:
             return ToolDelta(content=delta_text)
