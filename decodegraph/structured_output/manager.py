@@ -50,12 +50,21 @@ class StructuredOutputManager:
         self.stop_token_ids = stop_token_ids
         self._backend = None
         self._cache: OrderedDict[GrammarKey, object] = OrderedDict()
-        # The server's handlers and its engine thread both compile.
-        self._lock = threading.Lock()
+        # The server's handlers and its engine thread both use the cache. Compiles run
+        # one at a time under their own lock, so a long compile never holds up the
+        # engine thread's look-ups of grammars already compiled.
+        self._cache_lock = threading.Lock()
+        self._compile_lock = threading.Lock()
         self.num_compiled = 0
 
     @property
     def backend(self):  # noqa: ANN201 - the backend module loads on first use
+        if self._backend is None:
+            with self._compile_lock:
+                self._make_backend()
+        return self._backend
+
+    def _make_backend(self) -> None:
         if self._backend is None:
             if self.tokenizer is None:
                 raise ValueError(
@@ -64,7 +73,6 @@ class StructuredOutputManager:
             from decodegraph.structured_output.backend_xgrammar import XgrammarBackend
 
             self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.stop_token_ids)
-        return self._backend
 
     def compile(self, params: StructuredOutputsParams) -> object:
         """The compiled grammar of `params` (cached); ValueError naming the field when
@@ -72,22 +80,33 @@ class StructuredOutputManager:
         key = params.key()
         if self.config.disable_any_whitespace and key.kind in ("json", "json_object"):
             key = key._replace(disable_any_whitespace=True)
-        with self._lock:
+        compiled = self._cached(key)
+        if compiled is not None:
+            return compiled
+        backend = self.backend
+        with self._compile_lock:
+            compiled = self._cached(key)  # compiled by another thread meanwhile
+            if compiled is not None:
+                return compiled
+            compiled = backend.compile(key)
+            self._check_satisfiable(compiled, key)
+            self.num_compiled += 1
+            with self._cache_lock:
+                self._cache[key] = compiled
+                if len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return compiled
+
+    def _cached(self, key: GrammarKey) -> object | None:
+        with self._cache_lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
-                return compiled
-            compiled = self.backend.compile(key)
-            self._check_satisfiable(compiled, key)
-            self.num_compiled += 1
-            self._cache[key] = compiled
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
             return compiled
 
     def _check_satisfiable(self, compiled: object, key: GrammarKey) -> None:
-        """A grammar that allows no first token (`root ::= root`, `anyOf: []`) would mask
-        every logit of its request: refuse it with the other invalid specs."""
+        """A grammar that allows no first token (`root ::= root`) would mask every logit
+        of its request: refuse it with the other invalid specs."""
         backend = self.backend
         bitmask = backend.allocate_bitmask(1)
         backend.new_grammar(compiled).fill_bitmask(bitmask, 0)

@@ -84,3 +84,38 @@ def test_sampled_tokens_always_lie_inside_the_mask(
             assert tokens[row] in _allowed(md.structured_output_mask.bitmask[row])
         for s, t in zip(states, tokens, strict=True):
             s.append_output_token(t)
+
+
+def test_a_slow_compile_does_not_hold_up_lookups_of_compiled_grammars(
+    manager: StructuredOutputManager,
+) -> None:
+    """The engine thread's cache hits never wait for another thread's compile."""
+    import threading
+    import time
+
+    cached = StructuredOutputsParams(regex="[xy]")
+    manager.compile(cached)
+    started, release = threading.Event(), threading.Event()
+    backend = manager.backend
+    original = backend.compile
+
+    def slow_compile(key):  # noqa: ANN001, ANN202
+        started.set()
+        release.wait(10)
+        return original(key)
+
+    backend.compile = slow_compile
+    try:
+        worker = threading.Thread(
+            target=manager.compile, args=(StructuredOutputsParams(regex="[pq]{2}"),)
+        )
+        worker.start()
+        assert started.wait(10)
+        start = time.monotonic()
+        manager.compile(cached)  # at once: the other compile still waits (up to 10 s)
+        assert time.monotonic() - start < 5
+        release.set()
+        worker.join(10)
+    finally:
+        release.set()
+        backend.compile = original
