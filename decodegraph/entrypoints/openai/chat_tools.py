@@ -45,18 +45,26 @@ _STRUCTURED_FIELDS = (
 def required_tools_schema(request: ToolFields) -> dict:
     """A JSON list of calls, each `{"name": one tool's name, "parameters": its schema}`."""
     assert request.tools
-    items = [
-        {
-            "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": t.function.parameters or _ANY_OBJECT,
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for t in request.tools
-    ]
+    items = []
+    defs: dict = {}
+    for t in request.tools:
+        parameters = dict(t.function.parameters or _ANY_OBJECT)
+        # A tool's "#/$defs/..." references point at its own root, which is nested
+        # here: its definitions move up to the list's root, where they then resolve.
+        defs.update(parameters.pop("$defs", None) or {})
+        items.append(
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [t.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema

@@ -30,3 +30,17 @@ def test_streamed_required_list_sends_each_call_once_it_is_complete() -> None:
     last = stream.feed('"parameters": {"city": "Oslo", "days": 1}}]', True)
     assert [(c.index, c.function.name) for c in last.tool_calls] == [(1, "get_weather")]
     assert json.loads(last.tool_calls[0].function.arguments) == {"city": "Oslo", "days": 1}
+
+
+def test_required_schema_lifts_each_tools_defs_to_its_root() -> None:
+    params = {
+        "type": "object",
+        "properties": {"p": {"$ref": "#/$defs/Point"}},
+        "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+    }
+    tools = ToolFields(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": params}}]
+    )
+    schema = required_tools_schema(tools)
+    assert schema["$defs"] == params["$defs"]
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
