@@ -92,3 +92,35 @@ def test_a_dead_end_inside_a_grammar_ends_the_request(llm: LLM) -> None:
         "Once", SamplingParams(max_tokens=10, structured_outputs=spec), use_tqdm=False
     )[0].outputs[0]
     assert out.text == "a" and out.finish_reason == "stop"
+
+
+def test_preempted_requests_keep_their_grammar_position(stories_dir: Path) -> None:
+    """Under a KV cache of a little over one sequence, requests are preempted and
+    recomputed; their matchers (the runner's, kept across preemption) stay in step with
+    their tokens, so every output still matches and equals its unpreempted self."""
+    import re
+
+    regex = r"[a-z]{4}( [a-z]{2,6}){12}\."
+    kwargs = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 6, "seed": 0}
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=100,
+            structured_outputs=StructuredOutputsParams(regex=regex),
+        )
+        for i in range(6)
+    ]
+    prompts = [{"prompt_token_ids": [1, 30 + 9 * i] + [40] * (10 + 3 * i)} for i in range(6)]
+    tiny = LLM(str(stories_dir), num_gpu_blocks_override=10, **kwargs)
+    scheduler = tiny.llm_engine.scheduler
+    preempted = []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda request: (preempted.append(request.request_id), preempt(request))
+    outs = tiny.generate(prompts, params, use_tqdm=False)
+    roomy = LLM(str(stories_dir), **kwargs)
+    alone = roomy.generate(prompts, params, use_tqdm=False)
+    for out, ref in zip(outs, alone, strict=True):
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert preempted
