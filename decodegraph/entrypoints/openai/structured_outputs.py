@@ -9,7 +9,7 @@ of them. A bad spec is a 400 whose `param` is the field the client sent.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,10 +61,10 @@ class StructuredOutputFields(BaseModel):
     guided_grammar: str | None = None
 
 
-class StructuredOutputSpec(BaseModel):
+class StructuredOutputSpec(NamedTuple):
     """What a request asks for, and the field it asked in (for error messages)."""
 
-    params: Any
+    params: StructuredOutputsParams
     field: str
 
 
