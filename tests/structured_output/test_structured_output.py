@@ -124,3 +124,32 @@ def test_preempted_requests_keep_their_grammar_position(stories_dir: Path) -> No
         assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert preempted
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
+def test_greedy_masks_hold_in_the_other_graph_modes(stories_dir: Path, mode: str) -> None:
+    """FULL graphs compute a fused argmax for uniform decode batches too; PIECEWISE
+    replays pieces. A greedy constrained request beside a free one answers its choice,
+    the free one its own text, as in FULL_DECODE_ONLY and NONE (the server tests)."""
+    llm = LLM(
+        str(stories_dir),
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        # Inductor off: the traced graphs replay as they are, and capture is quick.
+        compilation_config={
+            "cudagraph_mode": mode,
+            "cudagraph_capture_sizes": [2],
+            "use_inductor": False,
+        },
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    masked = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{6}")
+    )
+    alone = llm.generate("Once upon a time", free, use_tqdm=False)[0].outputs[0].text
+    both = llm.generate(["Once upon a time"] * 2, [masked, free], use_tqdm=False)
+    assert len(both[0].outputs[0].text) == 6 and both[0].outputs[0].text.isalpha()
+    assert both[1].outputs[0].text == alone
+    runs = llm.llm_engine.get_stats().graph_runs
+    assert sum(n for m, n in runs.items() if m != "NONE") > 0, runs
