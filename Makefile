@@ -13,6 +13,7 @@ $(BIN)/python:
 
 setup: $(BIN)/python .triton/.installed
 	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install -q --no-deps -e .
 
 # Only tests/attention/test_triton_attn.py puts this on its child's PYTHONPATH.

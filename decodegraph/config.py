@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from decodegraph.graphs.modes import CUDAGraphMode
+from decodegraph.structured_output.config import StructuredOutputsConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -223,3 +224,6 @@ class EngineConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )

@@ -10,6 +10,10 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from decodegraph.structured_output.params import StructuredOutputsParams
+
+__all__ = ["RequestOutputKind", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
+
 # Below this temperature sampling is greedy (vLLM's `_SAMPLING_EPS`).
 _SAMPLING_EPS = 1e-5
 # Most top logprobs a request may ask for (vLLM's default `max_logprobs`).
@@ -78,6 +82,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output follows a JSON schema, regex, choice or grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise_lists()
@@ -160,6 +166,13 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind: must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs: must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     @property
     def is_greedy(self) -> bool:

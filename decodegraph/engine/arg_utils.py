@@ -25,6 +25,7 @@ from decodegraph.config import (
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.bundled import DEFAULT_MODEL, bundled_model_path
 from decodegraph.platforms import platform_class, platform_names
+from decodegraph.structured_output.config import StructuredOutputsConfig
 
 # max_num_batched_tokens when neither it nor a platform default for the usage context is
 # given (vLLM's DEFAULT_MAX_NUM_BATCHED_TOKENS).
@@ -65,6 +66,7 @@ class EngineArgs:
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict | str | None = field(default=None)
     device: str = "auto"
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -115,6 +117,11 @@ class EngineArgs:
             help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\'',
         )
         g.add_argument("--device", default="auto", choices=["auto", *platform_names()])
+        g.add_argument(
+            "--structured-outputs-config",
+            default=None,
+            help="JSON, e.g. '{\"disable_any_whitespace\": true}'",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -164,6 +171,7 @@ class EngineArgs:
         )
         parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
         compilation_config = CompilationConfig.from_any(self.compilation_config)
+        structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         device_config = DeviceConfig(device=self.device)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
@@ -196,6 +204,7 @@ class EngineArgs:
             compilation_config=compilation_config,
             device_config=device_config,
             enforce_eager=self.enforce_eager,
+            structured_outputs_config=structured_outputs_config,
         )
 
 

@@ -25,6 +25,7 @@ from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
 from decodegraph.request import Request, RequestStatus
 from decodegraph.sampling_params import SamplingParams
+from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.tokenizer import get_tokenizer
 from decodegraph.worker.model_runner import ModelRunner
 
@@ -63,7 +64,15 @@ class LLMEngine:
         self.platform.configure_process()
         torch.manual_seed(mc.seed)
         self.tokenizer = get_tokenizer(mc, mc.model_path)
-        self.runner = ModelRunner(config, self.platform, mc.hf_config)
+        self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
+        eos_ids = [self.eos_token_id, *self.extra_eos_token_ids]
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer,
+            mc.hf_config.vocab_size,
+            [t for t in eos_ids if t is not None],
+            config.structured_outputs_config,
+        )
+        self.runner = ModelRunner(config, self.platform, mc.hf_config, self.structured_output)
         phases: dict[str, float] = {}
         start = last = time.perf_counter()
 
@@ -101,7 +110,6 @@ class LLMEngine:
             config.scheduler_config, cc, mc.max_model_len, num_blocks, groups
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
         self._prompt_tokens_total = 0
 
     @classmethod
@@ -223,6 +231,9 @@ class LLMEngine:
                 "stop: stop strings need a tokenizer to match text (skip_tokenizer_init is "
                 "set); use stop_token_ids"
             )
+        if params.structured_outputs is not None:
+            # Compiled (and cached) now, so an invalid spec fails before anything is queued.
+            self.structured_output.compile(params.structured_outputs)
         text, ids = self._tokenize(prompt)
         max_len, vocab = self.model_config.max_model_len, self.runner.vocab_size
         if not ids:
@@ -319,8 +330,10 @@ class LLMEngine:
         messages: list[dict],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """Render `messages` with the model's (or the given) chat template."""
+        """Render `messages` with the model's (or the given) chat template; `tools`
+        (OpenAI's function dicts) go to the template as its `tools`."""
         if self.tokenizer is None:
             raise ValueError("messages: chat needs a tokenizer (skip_tokenizer_init is set)")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -334,4 +347,5 @@ class LLMEngine:
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools,
         )

@@ -76,12 +76,16 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation (or a list of them) and generate."""
+        """Apply the chat template to one conversation (or a list of them) and generate;
+        `tools` (OpenAI's function dicts) go to the template, as vLLM's `LLM.chat`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = self.llm_engine.apply_chat_template(conv, add_generation_prompt, chat_template)
+            text = self.llm_engine.apply_chat_template(
+                conv, add_generation_prompt, chat_template, tools=tools
+            )
             ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from decodegraph.sampling_params import SamplingParams
+    from decodegraph.structured_output.manager import StructuredOutputMask
 
 
 class SamplingRequest(Protocol):
@@ -79,6 +80,8 @@ class SamplingMetadata:
     prompt_token_mask: torch.Tensor | None
     # (rows, token ids) to mask to -inf because min_tokens is not reached yet.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # Rows whose grammar limits the next token (structured outputs); set by the runner.
+    structured_output_mask: StructuredOutputMask | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -96,6 +99,7 @@ class SamplingMetadata:
             and self.output_token_counts is None
             and self.min_tokens_mask is None
             and self.statics.max_num_logprobs is None
+            and self.structured_output_mask is None
         )
 
     @classmethod

@@ -1,6 +1,7 @@
 """Turns a step's logits into next tokens (and logprobs when asked).
 
-Order, per row: logprobs from the raw logits; min-tokens mask; penalties; then greedy
+Order, per row: the grammar's mask (structured outputs, as vLLM masks before its
+sampler); logprobs from those logits; min-tokens mask; penalties; then greedy
 argmax, or temperature, top-k, top-p, min-p and a random draw. The draw is an
 exponential race (argmax of probs / Exponential(1) noise), which is a sample from probs
 without a host round trip, and lets a seeded request draw its noise from its own
@@ -41,6 +42,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample from `logits` [B, V] (float32); never modifies `logits`."""
+        if metadata.structured_output_mask is not None:
+            # First, so logprobs and every later rule see only what the grammar allows.
+            logits = logits.float().clone()
+            metadata.structured_output_mask.apply_(logits)
         if metadata.is_fast_greedy:
             return SamplerOutput(greedy(logits).tolist(), None)
         statics = metadata.statics

@@ -35,6 +35,7 @@ from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
 from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
 from decodegraph.sample.sampler import Sampler, SamplerOutput
+from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.worker.attention_groups import AttentionGroups, build_attention_groups
 from decodegraph.worker.input_batch import InputBatch
 from decodegraph.worker.input_buffers import InputBuffers
@@ -47,7 +48,11 @@ class ModelRunner:
     """Runs the model for one `SchedulerOutput` at a time."""
 
     def __init__(
-        self, config: EngineConfig, platform: Platform, hf_config: PretrainedConfig
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        hf_config: PretrainedConfig,
+        structured_output: StructuredOutputManager | None = None,
     ) -> None:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.config = config
@@ -75,7 +80,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self._sampling_statics = BatchStaticsCache()
         # What the runner knows of each request (from the scheduler's data only).
-        self.requests = RequestStates(self.device)
+        self.requests = RequestStates(self.device, structured_output)
+        # Builds the grammar bitmask of steps with structured-output requests.
+        self.structured_output = structured_output
         self.model: torch.nn.Module | None = None
         # Blocks of each KV cache group (the null block included), set by initialize_kv_cache.
         self.num_blocks_per_group: list[int] = []
@@ -228,6 +235,11 @@ class ModelRunner:
             meta = SamplingMetadata.from_requests(
                 sampling_states, self.vocab_size, self.device, self._sampling_statics
             )
+            if self.requests.num_with_grammar:
+                # A mask makes is_fast_greedy False: the graph's argmax is not used.
+                meta.structured_output_mask = self.structured_output.grammar_bitmask(
+                    [s.grammar for s in sampling_states]
+                )
             if greedy_ids is not None and meta.is_fast_greedy:
                 # The graph's argmax: the sampler's greedy rule (first maximum).
                 out = SamplerOutput(greedy_ids.tolist(), None)

@@ -7,12 +7,19 @@ and appends the tokens it samples itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from decodegraph.core.sched_output import NewRequestData, SchedulerOutput
 from decodegraph.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from decodegraph.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -34,9 +41,20 @@ class CachedRequestState:
     num_computed_tokens: int
     # Prompt then outputs (one list: a sampled token is one append).
     all_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs: the request's matcher, advanced with every sampled token.
+    grammar: object | None = None
 
     @classmethod
-    def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
+    def from_new_request(
+        cls,
+        new: NewRequestData,
+        device: torch.device,
+        structured_output: StructuredOutputManager | None = None,
+    ) -> CachedRequestState:
+        grammar = None
+        spec = new.sampling_params.structured_outputs
+        if spec is not None and structured_output is not None:
+            grammar = structured_output.new_grammar(spec)
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=device)
@@ -50,6 +68,7 @@ class CachedRequestState:
             block_ids=tuple(list(ids) for ids in new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             all_token_ids=list(new.prompt_token_ids),
+            grammar=grammar,
         )
 
     @property
@@ -67,6 +86,10 @@ class CachedRequestState:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept_token(token_id):
+            # The mask allows only what the grammar accepts, bar a stop token taken again
+            # after the grammar ended (ignore_eos).
+            logger.debug("request %s: token %d is outside its grammar", self.req_id, token_id)
 
 
 _NONE: frozenset[str] = frozenset()
@@ -75,9 +98,14 @@ _NONE: frozenset[str] = frozenset()
 class RequestStates:
     """Request id -> `CachedRequestState`, updated once per step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, structured_output: StructuredOutputManager | None = None
+    ) -> None:
         self.device = device
+        self.structured_output = structured_output
         self.states: dict[str, CachedRequestState] = {}
+        # States with a grammar: while none is, a step builds no bitmask at all.
+        self.num_with_grammar = 0
 
     def __len__(self) -> int:
         return len(self.states)
@@ -98,9 +126,15 @@ class RequestStates:
         if not (so.finished_req_ids or so.scheduled_new_reqs or cached.req_ids):
             return [states[req_id] for req_id in so.req_ids], _NONE  # most decode steps
         for req_id in so.finished_req_ids:
-            states.pop(req_id, None)
+            gone = states.pop(req_id, None)
+            if gone is not None and gone.grammar is not None:
+                self.num_with_grammar -= 1
         for new in so.scheduled_new_reqs:
-            states[new.req_id] = CachedRequestState.from_new_request(new, self.device)
+            state = states[new.req_id] = CachedRequestState.from_new_request(
+                new, self.device, self.structured_output
+            )
+            if state.grammar is not None:
+                self.num_with_grammar += 1
         replaced: set[str] = set()
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,

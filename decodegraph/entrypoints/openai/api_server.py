@@ -29,6 +29,7 @@ from decodegraph.entrypoints.openai.protocol import (
 from decodegraph.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from decodegraph.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from decodegraph.entrypoints.openai.serving_engine import OpenAIError, error_body, error_response
+from decodegraph.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from decodegraph.metrics import PROMETHEUS_CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,13 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
     served = [names] if isinstance(names, str) else list(names)
     chat_template = load_chat_template(getattr(args, "chat_template", None))
     completion = OpenAIServingCompletion(async_llm, served)
-    chat = OpenAIServingChat(async_llm, served, chat_template)
+    chat = OpenAIServingChat(
+        async_llm,
+        served,
+        chat_template,
+        enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)),
+        tool_parser=getattr(args, "tool_call_parser", None),
+    )
     max_model_len = async_llm.model_config.max_model_len
 
     app = FastAPI(title="decodegraph OpenAI-compatible server", version=VERSION)
@@ -200,6 +207,17 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Jinja chat template: a file path or the template itself",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools by itself (tool_choice "auto"); needs --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how to find tool calls in the model's text (vLLM's parser names)",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -242,6 +260,12 @@ def run_server(args: argparse.Namespace) -> None:
     """Build the engine and serve it with uvicorn until interrupted."""
     import uvicorn
 
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
+        args, "tool_call_parser", None
+    ):
+        raise SystemExit(
+            "error: when --enable-auto-tool-choice is set, --tool-call-parser must be set"
+        )
     async_llm = build_async_llm(args)
     app = build_app(async_llm, args)
     logger.info(

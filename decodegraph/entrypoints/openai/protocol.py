@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from decodegraph.entrypoints.openai.structured_outputs import StructuredOutputFields
+from decodegraph.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall, ToolFields
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
 # torch.Generator.manual_seed takes [-2**63, 2**64); a wider seed would fail inside an
@@ -117,7 +119,7 @@ class _SamplingFields(OpenAIBaseModel):
 # --- /v1/completions ---------------------------------------------------------------------
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, StructuredOutputFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -177,9 +179,12 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls and a tool turn's answer, for the chat template.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, StructuredOutputFields, ToolFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -215,6 +220,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -237,6 +243,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionStreamChoice(BaseModel):

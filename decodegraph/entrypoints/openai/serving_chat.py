@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from decodegraph.engine.async_llm import AsyncLLM, EngineDeadError
+from decodegraph.entrypoints.openai.chat_tools import ChatTools, template_tool_fields
 from decodegraph.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -33,6 +34,11 @@ from decodegraph.entrypoints.openai.serving_engine import (
     sse,
     until_disconnect,
 )
+from decodegraph.entrypoints.openai.structured_outputs import (
+    attach_structured_outputs,
+    structured_outputs_of,
+)
+from decodegraph.entrypoints.openai.tool_parsers import get_tool_parser
 from decodegraph.outputs import CompletionOutput, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind
 
@@ -54,10 +60,18 @@ class OpenAIServingChat(OpenAIServing):
     """Handler of /v1/chat/completions."""
 
     def __init__(
-        self, async_llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None
+        self,
+        async_llm: AsyncLLM,
+        served_model_names: list[str],
+        chat_template: str | None = None,
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
     ) -> None:
         super().__init__(async_llm, served_model_names)
         self.chat_template = chat_template
+        self.enable_auto_tools = enable_auto_tools
+        # Parsers keep no state between calls: one serves every request.
+        self.tool_parser = get_tool_parser(tool_parser)() if tool_parser else None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -66,18 +80,21 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
-        prompt = self._render(request)
+        tools = ChatTools(request, self.enable_auto_tools, self.tool_parser)
+        prompt = self._render(request, tools.template_tools())
         params = self.build_params(request.to_sampling_params, RequestOutputKind.DELTA)
+        spec = tools.structured_outputs() or self.build_params(structured_outputs_of, request)
+        await attach_structured_outputs(self.async_llm.engine, params, spec)
         request_id = f"chatcmpl-{random_uuid()}"
         streams = await self.submit(request_id, [prompt], params)
         outputs = merge_streams(streams)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, outputs), media_type="text/event-stream"
+                self._stream(request, request_id, outputs, tools), media_type="text/event-stream"
             )
-        return await until_disconnect(raw_request, self._full(request, request_id, outputs))
+        return await until_disconnect(raw_request, self._full(request, request_id, outputs, tools))
 
-    def _render(self, request: ChatCompletionRequest) -> str:
+    def _render(self, request: ChatCompletionRequest, tools: list[dict] | None = None) -> str:
         messages = []
         for k, m in enumerate(request.messages):
             if isinstance(m.content, list):
@@ -94,12 +111,13 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(parts)
             else:
                 content = m.content or ""
-            messages.append({"role": m.role, "content": content})
+            messages.append({"role": m.role, "content": content, **template_tool_fields(m)})
         try:
             return self.async_llm.engine.apply_chat_template(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 chat_template=self.chat_template,
+                tools=tools,
             )
         except ValueError as e:
             # The engine's message for a tokenizer without a template; say how to fix it.
@@ -145,6 +163,7 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         request_id: str,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
+        tools: ChatTools,
     ) -> ChatCompletionResponse:
         n = request.n
         texts = [""] * n
@@ -169,19 +188,22 @@ class OpenAIServingChat(OpenAIServing):
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503) from None
         completion_tokens = sum(num_tokens)
+        choices = []
+        for k in range(n):
+            content, tool_calls, called = tools.message(texts[k])
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=k,
+                    message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                    logprobs=lps[k],
+                    finish_reason="tool_calls" if called else finish[k][0],
+                    stop_reason=finish[k][1],
+                )
+            )
         return ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
-            choices=[
-                ChatCompletionResponseChoice(
-                    index=k,
-                    message=ChatResponseMessage(content=texts[k]),
-                    logprobs=lps[k],
-                    finish_reason=finish[k][0],
-                    stop_reason=finish[k][1],
-                )
-                for k in range(n)
-            ],
+            choices=choices,
             usage=UsageInfo(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
@@ -194,6 +216,7 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         request_id: str,
         outputs: AsyncIterator[tuple[int, RequestOutput]],
+        tools: ChatTools,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         top_n = request.top_logprobs or 0
@@ -220,6 +243,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         prompt_tokens = 0
         completion_tokens = 0
+        tool_streams = [tools.stream() for _ in range(request.n)]
         try:
             async for _, out in outputs:
                 prompt_tokens = len(out.prompt_token_ids)
@@ -227,13 +251,20 @@ class OpenAIServingChat(OpenAIServing):
                     completion_tokens += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
                         continue
+                    ts = tool_streams[c.index]
+                    delta = ts.feed(c.text, c.finish_reason is not None)
+                    finish_reason = c.finish_reason
+                    if finish_reason is not None and ts.called and tools.named is None:
+                        finish_reason = "tool_calls"
                     yield chunk(
                         [
                             ChatCompletionStreamChoice(
                                 index=c.index,
-                                delta=DeltaMessage(content=c.text),
+                                delta=DeltaMessage(
+                                    content=delta.content, tool_calls=delta.tool_calls
+                                ),
                                 logprobs=self._logprobs(c, top_n) if request.logprobs else None,
-                                finish_reason=c.finish_reason,
+                                finish_reason=finish_reason,
                                 stop_reason=c.stop_reason,
                             )
                         ]

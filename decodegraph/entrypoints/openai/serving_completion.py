@@ -28,6 +28,10 @@ from decodegraph.entrypoints.openai.serving_engine import (
     sse,
     until_disconnect,
 )
+from decodegraph.entrypoints.openai.structured_outputs import (
+    attach_structured_outputs,
+    structured_outputs_of,
+)
 from decodegraph.outputs import CompletionOutput, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind
 
@@ -61,6 +65,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 "echo: prompt logprobs (echo with logprobs) are not supported", 400, "echo"
             )
         params = self.build_params(request.to_sampling_params, RequestOutputKind.DELTA)
+        spec = self.build_params(structured_outputs_of, request)
+        await attach_structured_outputs(self.async_llm.engine, params, spec)
         request_id = f"cmpl-{random_uuid()}"
         streams = await self.submit(request_id, prompts, params)
         outputs = merge_streams(streams)
