@@ -41,6 +41,10 @@ if not INTERPRETED:
         assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
 
 else:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
     from decodegraph.attention.backends.triton_attn import TritonAttentionBackend
     from tests.attention.test_torch_paged import (
         GQA,
@@ -51,6 +55,34 @@ else:
         run,
         token_slots,
     )
+
+    Handle = interpreter.TensorHandle
+    _interpreted_dot = interpreter.InterpreterBuilder.create_dot
+
+    def _dot_of_bfloat16_values(
+        self: interpreter.InterpreterBuilder, a: Handle, b: Handle, d: Handle, *precision: object
+    ) -> Handle:
+        """The interpreter keeps bfloat16 as its uint16 bits and its tl.dot multiplies
+        those bits (triton-lang/triton#11584, not supported upstream): give it the float32
+        values instead, which is what the GPU's bf16 MMA multiplies (exactly) too."""
+
+        def values(x: Handle) -> Handle:
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            bits = x.data.astype(np.uint32) << 16
+            return Handle(bits.view(np.float32), tl.float32)
+
+        return _interpreted_dot(self, values(a), values(b), d, *precision)
+
+    @pytest.fixture(autouse=True)
+    def _interpreter_bfloat16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_of_bfloat16_values)
+
+    @pytest.fixture(autouse=True)
+    def _few_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+        """At most 4 segments unless a test asks for more: the interpreter runs programs
+        one after another, so the empty segments of short contexts cost it dearly."""
+        monkeypatch.setattr(TritonAttentionBackend, "max_segments", 4)
 
     def test_declares_full_graphs_for_every_batch() -> None:
         assert TritonAttentionBackend.cudagraph_support is AttentionCGSupport.ALWAYS
