@@ -54,10 +54,11 @@ import triton.language as tl
 
 from decodegraph.attention.backends.base import AttentionBackend, AttentionCGSupport
 
-# KV positions per tile, in both attention kernels.
-TILE = 32
-# Query rows (tokens x group heads) per prefill program, at least.
+# Query rows (tokens x group heads) per prefill program, at least: 64 for 16-bit caches
+# up to head size 128; 32 otherwise (fp32's exact products and head size 256 need the
+# registers: tests/attention/test_triton_compile.py reports spills beyond these).
 PREFILL_ROWS = 64
+PREFILL_ROWS_WIDE = 32
 # Query rows per decode program, at least: tl.dot's smallest M.
 DECODE_ROWS = 16
 # A decode launch aims for this many programs (tokens x KV heads x segments): a few
@@ -65,6 +66,13 @@ DECODE_ROWS = 16
 DECODE_PROGRAMS = 512
 # The most segments one context is cut into; also bounds the reduction's width.
 MAX_SEGMENTS = 64
+
+
+def kv_tile(block_size: int) -> int:
+    """KV positions per tile: one whole block where it is 16 or 32 positions (one block
+    table entry per tile, whose addresses cost fewer registers than a gather), 32 within
+    a larger block, 16 across smaller blocks (tl.dot's smallest N)."""
+    return min(max(block_size, 16), 32)
 
 
 @triton.jit
@@ -494,7 +502,7 @@ class TritonAttentionBackend(AttentionBackend):
             HEAD_SIZE=self.head_size,
             HEAD_PAD=max(16, triton.next_power_of_2(self.head_size)),
             BLOCK_SIZE=self.block_size,
-            TILE=TILE,
+            TILE=kv_tile(self.block_size),
             SLIDING_WINDOW=self.sliding_window or 0,
             SOFT_CAP=float(self.logits_soft_cap or 0.0),
             # fp32 models get fp32 products, not tf32's 10-bit mantissas.
@@ -523,7 +531,8 @@ class TritonAttentionBackend(AttentionBackend):
                     NUM_SEGMENTS=segments,
                 )
             return
-        block_m = max(PREFILL_ROWS, triton.next_power_of_2(group))
+        wide = k_cache.element_size() > 2 or self.head_size > 128
+        block_m = max(PREFILL_ROWS_WIDE if wide else PREFILL_ROWS, triton.next_power_of_2(group))
         block_q = block_m // group
         _prefill_attention[(triton.cdiv(t, block_q) + num_reqs, self.num_kv_heads)](
             output,
