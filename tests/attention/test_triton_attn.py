@@ -118,8 +118,12 @@ else:
         case = make_case(backend, [(n - 1, 1) for n in [1, 17, 33, 100]])
         check(case, run(case))
 
-    def test_a_mixed_batch_of_prefills_and_decodes() -> None:
-        case = make_case(make_backend("triton", 4, 2), [(0, 5), (9, 1), (3, 4), (20, 1)])
+    @pytest.mark.parametrize("segments", [1, 4])
+    def test_a_mixed_batch_of_prefills_and_decodes(segments: int) -> None:
+        backend = make_backend("triton", 4, 2)
+        backend.max_segments = segments
+        case = make_case(backend, [(0, 5), (9, 1), (3, 4), (20, 1)])
+        assert backend._segments(case.query.shape[0]) == segments
         check(case, run(case))
 
     @pytest.mark.parametrize(
@@ -295,31 +299,37 @@ else:
             num_heads, num_kv_heads, head_size, block_size, [(n - 1, 1) for n in lengths], dtype
         )
         backend = case.backend
-        assert backend._decode_segments(len(lengths)) == MAX_SEGMENTS  # the split path
+        assert backend._segments(len(lengths)) == MAX_SEGMENTS  # the split path
         check_against_the_cache(case, run(case))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
     def test_a_long_decode_unsplit_matches_the_reference(dtype: torch.dtype) -> None:
         """One segment (what large batches get): the decode kernel writes the output."""
         case = long_case(4, 1, 128, 16, [(4095, 1), (40, 1)], dtype, segments=1)
-        assert case.backend._decode_segments(2) == 1
+        assert case.backend._segments(2) == 1
         check_against_the_cache(case, run(case))
 
     @pytest.mark.parametrize(
-        "dtype, head_size, block_size, reqs",
+        "dtype, head_size, block_size, reqs, segments",
         [
-            (torch.bfloat16, 128, 32, [(3000, 24), (LONG - 1, 1), (0, 40), (1500, 1)]),
-            (torch.float32, 64, 16, [(1500, 24), (4095, 1), (0, 40), (700, 1)]),
+            (torch.bfloat16, 128, 32, [(3000, 24), (LONG - 1, 1), (0, 40), (1500, 1)], 2),
+            (torch.float32, 64, 16, [(1500, 24), (4095, 1), (0, 40), (700, 1)], 1),
         ],
-        ids=["bf16-h128-b32", "fp32-h64-b16"],
+        ids=["bf16-h128-b32-split", "fp32-h64-b16-unsplit"],
     )
     def test_a_long_mixed_batch_matches_the_reference(
-        dtype: torch.dtype, head_size: int, block_size: int, reqs: list[tuple[int, int]]
+        dtype: torch.dtype,
+        head_size: int,
+        block_size: int,
+        reqs: list[tuple[int, int]],
+        segments: int,
     ) -> None:
         """Prefill tiles of several tokens x a group of 8 heads beside long decodes: a
-        chunk deep into its context, a prompt, decodes."""
-        case = long_case(8, 1, head_size, block_size, reqs, dtype)
+        chunk deep into its context, a prompt, decodes; split (66 tokens on one KV head
+        get 2 segments) and not."""
+        case = long_case(8, 1, head_size, block_size, reqs, dtype, segments=segments)
         assert not case.metadata.uniform_decode
+        assert case.backend._segments(case.query.shape[0]) == segments
         check_against_the_cache(case, run(case))
 
     @pytest.mark.parametrize(
@@ -419,11 +429,10 @@ else:
             check(case, run(case))
             seen.append(list(launches))
         assert seen[0] == seen[1] and seen[2] == seen[3]
-        assert [k for k, *_ in seen[0]] == [
-            triton_attn._write_kv.kernel,
-            triton_attn._decode_attention.kernel,
-            triton_attn._reduce_segments.kernel,
-        ]
+        kernels = [[k for k, *_ in launches] for launches in seen]
+        write, reduce = triton_attn._write_kv.kernel, triton_attn._reduce_segments.kernel
+        assert kernels[0] == [write, triton_attn._decode_attention.kernel, reduce]
+        assert kernels[2] == [write, triton_attn._prefill_attention.kernel, reduce]
 
     def test_segments_follow_the_padded_batch_and_fit_the_workspace() -> None:
         backend = make_backend("triton", 32, 8, 64, 16, LONG)
@@ -434,7 +443,7 @@ else:
         parts = (backend._part_acc, backend._part_m, backend._part_l)
         allocated = sum(t.numel() * t.element_size() for t in parts)
         assert allocated == backend.workspace_bytes(256, torch.bfloat16)
-        assert all(backend._decode_segments(n) == backend.num_segments(n) for n in range(1, 257))
+        assert all(backend._segments(n) == backend.num_segments(n) for n in range(1, 257))
         backend.set_eager_metadata(make_case(backend, [(0, 1)]).metadata)
         bound = backend.graph_tensors(EAGER_PARAMS_ID)
         assert all(any(t is b for b in bound) for t in parts)

@@ -73,10 +73,16 @@ def _shapes() -> list[Shape]:
     ]
 
 
-# Batches per shape: a batch-1 decode (the split path at its most segments), a decode
-# batch large enough for one segment (unsplit), and a mixed batch (prefill kernel).
+# Batches per shape: (padded tokens, uniform decode). A batch-1 decode (the split path
+# at its most segments) and one large enough for one segment (unsplit); a small mixed
+# batch (the prefill kernel split) and a large one.
 MAX_NUM_REQS = 256
-_BATCHES = {"decode-1": (1, True), "decode-256": (256, True), "mixed-512": (512, False)}
+_BATCHES = {
+    "decode-1": (1, True),
+    "decode-256": (256, True),
+    "mixed-8": (8, False),
+    "mixed-512": (512, False),
+}
 
 
 def _launches(shape: Shape) -> list[tuple[str, object, tuple, dict]]:

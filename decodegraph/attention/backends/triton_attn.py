@@ -1,28 +1,31 @@
 """Paged attention in Triton kernels: the CUDA backend (TRITON_ATTN).
 
-Each layer's step is `_write_kv`, then one of two attention paths:
+Each layer's step launches `_write_kv`, then one of two attention kernels, then (when
+the batch is split) `_reduce_segments`:
 
 - `_write_kv` stores this step's K/V rows at their cache slots (slot -1 writes nothing)
   and zeroes the output rows of padding tokens, so no attention kernel writes those.
-- A uniform decode batch (one new token per request) runs `_decode_attention` over a
-  grid of (token, KV head, segment): the token's context (from its window start, if
-  any) is cut into `num_segments(padded tokens)` equal runs of tiles, each reduced by one
-  program to a partial (max, sum, unnormalised output) in the workspace, which
-  `_reduce_segments` combines, one program per (token, query head). With one segment
-  (large batches fill the GPU without splitting) the decode kernel writes the output
-  itself and no second kernel runs. This is flash-decoding: at batch 1 a long context
-  is read by many programs at once instead of one per KV head.
-- Any other batch (prefills, chunks, decodes beside them) runs `_prefill_attention`:
-  one program per (tile of query tokens of one request, KV head), over a grid sized
-  `cdiv(padded tokens, BLOCK_Q) + request rows`, enough for every request's tiles
-  whatever the split of tokens between requests.
+- A uniform decode batch (one new token per request) runs `_decode_attention`, one
+  program per (token, KV head, segment).
+- Any other batch (prefills, chunks, decodes beside them) runs `_prefill_attention`,
+  one program per (tile of BLOCK_Q query tokens of one request, KV head, segment), over
+  `cdiv(padded tokens, BLOCK_Q) + min(request rows, padded tokens)` tiles: enough for
+  every request's tiles whatever the split of tokens between requests.
+
+Split-KV (flash-decoding): a small batch cannot fill the GPU with one program per token
+and KV head, so each program's context (from its window start, if any) is cut into
+`num_segments(padded tokens)` equal runs of tiles; each program reduces its run to a
+partial (max, sum, unnormalised output) in the workspace and `_reduce_segments`
+combines a token's segments, one program per (token, query head). At batch 1 on 8 KV
+heads that is 64 segments: a long context is read by 512 programs at once. Large batches
+get one segment: the attention kernel normalises and writes the output itself.
 
 Both attention kernels compute `tl.dot` tiles that pack the query heads of a GQA group
 as rows: [rows, head] x [head, TILE positions] for the scores, [rows, TILE] x [TILE,
 head] for the output, with an online softmax (base 2) over the tiles; rows are one
 token's group padded to 16 (tl.dot's minimum) in decode, BLOCK_Q tokens x the group in
-prefill. A tile reads its positions through the block table, so its size does not
-depend on the block size. A sliding window starts the walk at the first tile the window
+prefill. A tile is one block at block sizes 16 and 32 (`kv_tile`); since it reads its
+positions through the block table, other block sizes work too. A sliding window starts the walk at the first tile the window
 reaches; logits soft-capping applies cap * tanh(s / cap) before the softmax (Gemma).
 
 Graph safety: every value the kernels read at run time is a device tensor
@@ -31,8 +34,9 @@ on tensor shapes (padded tokens, request rows) and on `uniform_decode`, which a 
 key fixes (a uniform graph only ever replays uniform batches). One captured launch is
 therefore right for any batch of its size, and no host value needs refreshing before a
 replay: `cudagraph_support = ALWAYS`. The segment count is a function of the padded token
-count only, and the partial buffers are sized for the largest decode batch
-(`max_num_reqs`) by `allocate_workspace`, before capture.
+count only, and the partial buffers, sized for every batch that splits (at most
+SPLIT_PROGRAMS // kv_heads token-segments), are allocated by `allocate_workspace`
+before capture.
 
 A token belongs to the request whose query_start_loc range holds it; tokens at or past
 query_start_loc's tail (padding) belong to none and output zeros. For that the runner
@@ -61,9 +65,9 @@ PREFILL_ROWS = 64
 PREFILL_ROWS_WIDE = 32
 # Query rows per decode program, at least: tl.dot's smallest M.
 DECODE_ROWS = 16
-# A decode launch aims for this many programs (tokens x KV heads x segments): a few
-# per SM on the GPUs this targets, so that one request's context fills the device.
-DECODE_PROGRAMS = 512
+# A split launch aims for this many programs (tokens x KV heads x segments): a few per
+# SM on the GPUs this targets, so that one request's context fills the device.
+SPLIT_PROGRAMS = 512
 # The most segments one context is cut into; also bounds the reduction's width.
 MAX_SEGMENTS = 64
 
@@ -177,6 +181,42 @@ def _attend_tile(
 
 
 @triton.jit
+def _store_rows(
+    out,
+    part_acc,
+    part_m,
+    part_l,
+    m_i,
+    l_i,
+    acc,
+    toks,  # [ROWS] each row's token
+    heads,  # [ROWS] each row's query head
+    rows_live,  # [ROWS]
+    seg,
+    out_stride,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """A program's rows: normalised into `out` (one segment), else its segment's
+    partial state (m, l, unnormalised acc), which _reduce_segments combines."""
+    d = tl.arange(0, HEAD_PAD)
+    mask = rows_live[:, None] & (d < HEAD_SIZE)[None, :]
+    if NUM_SEGMENTS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out + toks[:, None] * out_stride + heads[:, None] * HEAD_SIZE + d[None, :]
+        tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=mask)
+    else:
+        # Every segment stores, one that saw no position too (m = -inf, l = 0): the
+        # reduction reads all of a token's segments and no buffer needs clearing first.
+        row = (toks * NUM_SEGMENTS + seg) * NUM_HEADS + heads
+        tl.store(part_m + row, m_i, mask=rows_live)
+        tl.store(part_l + row, l_i, mask=rows_live)
+        tl.store(part_acc + row[:, None] * HEAD_SIZE + d[None, :], acc, mask=mask)
+
+
+@triton.jit
 def _decode_attention(
     out,
     part_acc,  # [tokens * NUM_SEGMENTS, NUM_HEADS, HEAD_SIZE] float32 (split only)
@@ -259,19 +299,26 @@ def _decode_attention(
             SOFT_CAP,
             DOT_PRECISION,
         )
-    if NUM_SEGMENTS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = out + t * out_stride + heads[:, None] * HEAD_SIZE + d[None, :]
-        # A padding token (ctx 0) stores zeros, as _write_kv did.
-        tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=g_live[:, None] & d_live[None, :])
-    else:
-        # Every segment stores, an empty one (m = -inf, l = 0) too: the reduction reads
-        # all of them and no buffer needs clearing first.
-        row = (t * NUM_SEGMENTS + seg) * NUM_HEADS + heads
-        tl.store(part_m + row, m_i, mask=g_live)
-        tl.store(part_l + row, l_i, mask=g_live)
-        acc_ptrs = part_acc + row[:, None] * HEAD_SIZE + d[None, :]
-        tl.store(acc_ptrs, acc, mask=g_live[:, None] & d_live[None, :])
+    # A padding token (ctx 0) stores zeros or empty segments, as _write_kv zeroed it.
+    toks = tl.zeros([GROUP_PAD], tl.int32) + t
+    _store_rows(
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        m_i,
+        l_i,
+        acc,
+        toks,
+        heads,
+        g_live,
+        seg,
+        out_stride,
+        NUM_HEADS,
+        HEAD_SIZE,
+        HEAD_PAD,
+        NUM_SEGMENTS,
+    )
 
 
 @triton.jit
@@ -280,6 +327,8 @@ def _reduce_segments(
     part_acc,
     part_m,
     part_l,
+    query_start_loc,
+    num_reqs,
     out_stride,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
@@ -288,11 +337,14 @@ def _reduce_segments(
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
+    # Padding tokens: no partials of theirs need exist (a prefill grid covers none) and
+    # _write_kv zeroed their output. (A scalar & vector mask trips the interpreter.)
+    real = t < tl.load(query_start_loc + num_reqs)
     s = tl.arange(0, NUM_SEGMENTS)
     d = tl.arange(0, HEAD_PAD)
-    d_live = d < HEAD_SIZE
+    d_live = d < tl.where(real, HEAD_SIZE, 0)
     row = (t * NUM_SEGMENTS + s) * NUM_HEADS + h
-    m = tl.load(part_m + row)
+    m = tl.load(part_m + row, mask=s < tl.where(real, NUM_SEGMENTS, 0), other=float("-inf"))
     has = m > float("-inf")  # segments that saw positions
     m_max = tl.max(m, axis=0)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
@@ -302,13 +354,15 @@ def _reduce_segments(
     acc = tl.load(acc_ptrs, mask=has[:, None] & d_live[None, :], other=0.0)
     o = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0)
     o_ptrs = out + t * out_stride + h * HEAD_SIZE + d
-    # A padding token's segments are all empty: it stores zeros, as _write_kv did.
     tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=d_live)
 
 
 @triton.jit
 def _prefill_attention(
     out,
+    part_acc,  # as _decode_attention's (split only)
+    part_m,
+    part_l,
     query,
     k_cache,
     v_cache,
@@ -320,12 +374,14 @@ def _prefill_attention(
     out_stride,
     bt_stride,
     scale,
+    NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # rows: BLOCK_Q tokens x GROUP heads, padded
     BLOCK_Q: tl.constexpr,
     REQS_PAD: tl.constexpr,
@@ -335,6 +391,7 @@ def _prefill_attention(
 ):
     p = tl.program_id(0)
     kh = tl.program_id(1)
+    seg = tl.program_id(2)
     # Request r owns programs from query_start_loc[r] // BLOCK_Q + r on: at least as
     # many as its cdiv(tokens, BLOCK_Q) tiles, in order. This program's request is the
     # last one starting at or before it.
@@ -368,7 +425,11 @@ def _prefill_attention(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     block_row = block_tables + r * bt_stride
-    for tile in range(first // TILE, tl.cdiv(ctx_end, TILE)):
+    first_tile = first // TILE
+    per_segment = tl.cdiv(tl.cdiv(ctx_end, TILE) - first_tile, NUM_SEGMENTS)
+    lo = first_tile + seg * per_segment
+    hi = tl.minimum(lo + per_segment, tl.cdiv(ctx_end, TILE))
+    for tile in range(lo, hi):
         m_i, l_i, acc = _attend_tile(
             q,
             m_i,
@@ -391,9 +452,24 @@ def _prefill_attention(
             SOFT_CAP,
             DOT_PRECISION,
         )
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out + tok[:, None] * out_stride + heads[:, None] * HEAD_SIZE + d[None, :]
-    tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=row_live[:, None] & d_live[None, :])
+    _store_rows(
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        m_i,
+        l_i,
+        acc,
+        tok,
+        heads,
+        row_live,
+        seg,
+        out_stride,
+        NUM_HEADS,
+        HEAD_SIZE,
+        HEAD_PAD,
+        NUM_SEGMENTS,
+    )
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -415,23 +491,27 @@ class TritonAttentionBackend(AttentionBackend):
         so that a captured grid stays right for every replay."""
         programs = num_tokens * self.num_kv_heads
         segments = 1
-        while segments < self.max_segments and programs * segments * 2 <= DECODE_PROGRAMS:
+        while segments < self.max_segments and programs * segments * 2 <= SPLIT_PROGRAMS:
             segments *= 2
         return segments
 
-    def _partial_rows(self, max_num_reqs: int) -> int:
-        """(token, segment) rows the partials need for any decode batch that fits."""
-        return max(n * self.num_segments(n) for n in range(1, max_num_reqs + 1))
+    def _partial_rows(self) -> int:
+        """(token, segment) rows the partials need for any batch that splits: past
+        SPLIT_PROGRAMS // kv_heads tokens none does, so this bound holds for every
+        batch size (at most SPLIT_PROGRAMS // kv_heads rows)."""
+        sizes = range(1, SPLIT_PROGRAMS // self.num_kv_heads + 1)
+        return max((n * self.num_segments(n) for n in sizes if self.num_segments(n) > 1), default=0)
 
     def workspace_bytes(self, max_num_reqs: int, dtype: torch.dtype) -> int:
         # float32 partials whatever the model dtype: acc, then m and l, per query head.
-        return 4 * self._partial_rows(max_num_reqs) * self.num_heads * (self.head_size + 2)
+        return 4 * self._partial_rows() * self.num_heads * (self.head_size + 2)
 
     def allocate_workspace(
         self, max_num_reqs: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """The split-KV partials for decode batches of up to `max_num_reqs` tokens."""
-        rows = self._partial_rows(max_num_reqs) * self.num_heads
+        """The split-KV partials, for every batch size (max_num_reqs bounds none: a
+        batch splits only while it is small)."""
+        rows = self._partial_rows() * self.num_heads
         self._part_acc = torch.empty(rows * self.head_size, dtype=torch.float32, device=device)
         self._part_m = torch.empty(rows, dtype=torch.float32, device=device)
         self._part_l = torch.empty(rows, dtype=torch.float32, device=device)
@@ -440,7 +520,7 @@ class TritonAttentionBackend(AttentionBackend):
         parts = [t for t in (self._part_acc, self._part_m, self._part_l) if t is not None]
         return [*super().graph_tensors(params_id), *parts]
 
-    def _decode_segments(self, num_tokens: int) -> int:
+    def _segments(self, num_tokens: int) -> int:
         """num_segments, or 1 where the partials cannot hold this batch's."""
         segments = self.num_segments(num_tokens)
         capacity = 0 if self._part_m is None else self._part_m.numel() // self.num_heads
@@ -483,19 +563,9 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK_SIZE=self.block_size,
         )
         group = self.num_heads // self.num_kv_heads
-        args = (
-            query,
-            k_cache,
-            v_cache,
-            md.block_tables,
-            md.seq_lens,
-            md.query_start_loc,
-            num_reqs,
-            query.stride(0),
-            output.stride(0),
-            md.block_tables.stride(0),
-            self.scale,
-        )
+        # The attention kernels' arguments before and after the request count.
+        head = (query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc)
+        tail = (query.stride(0), output.stride(0), md.block_tables.stride(0), self.scale)
         common = dict(
             NUM_KV_HEADS=self.num_kv_heads,
             GROUP=group,
@@ -508,37 +578,52 @@ class TritonAttentionBackend(AttentionBackend):
             # fp32 models get fp32 products, not tf32's 10-bit mantissas.
             DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         )
+        segments = self._segments(t)
+        # Unsplit, the attention kernels write `output` and never touch the partials.
+        parts = (self._part_acc, self._part_m, self._part_l) if segments > 1 else (output,) * 3
+        split = dict(NUM_HEADS=self.num_heads, NUM_SEGMENTS=segments)
         if md.uniform_decode:
-            segments = self._decode_segments(t)
-            parts = (self._part_acc, self._part_m, self._part_l) if segments > 1 else (output,) * 3
             _decode_attention[(t, self.num_kv_heads, segments)](
                 output,
                 *parts,
-                *args,
-                NUM_HEADS=self.num_heads,
+                *head,
+                num_reqs,
+                *tail,
                 GROUP_PAD=max(DECODE_ROWS, triton.next_power_of_2(group)),
-                NUM_SEGMENTS=segments,
+                **split,
                 **common,
             )
-            if segments > 1:
-                _reduce_segments[(t, self.num_heads)](
-                    output,
-                    *parts,
-                    output.stride(0),
-                    NUM_HEADS=self.num_heads,
-                    HEAD_SIZE=self.head_size,
-                    HEAD_PAD=common["HEAD_PAD"],
-                    NUM_SEGMENTS=segments,
-                )
-            return
-        wide = k_cache.element_size() > 2 or self.head_size > 128
-        block_m = max(PREFILL_ROWS_WIDE if wide else PREFILL_ROWS, triton.next_power_of_2(group))
-        block_q = block_m // group
-        _prefill_attention[(triton.cdiv(t, block_q) + num_reqs, self.num_kv_heads)](
-            output,
-            *args,
-            BLOCK_M=block_m,
-            BLOCK_Q=block_q,
-            REQS_PAD=triton.next_power_of_2(max(num_reqs, 1)),
-            **common,
-        )
+        else:
+            wide = k_cache.element_size() > 2 or self.head_size > 128
+            block_m = max(
+                PREFILL_ROWS_WIDE if wide else PREFILL_ROWS, triton.next_power_of_2(group)
+            )
+            block_q = block_m // group
+            # Rows past the real requests are empty and every real one has a token, so
+            # no more than t requests own programs (the kernel searches only those).
+            searched = min(num_reqs, t)
+            programs = triton.cdiv(t, block_q) + searched
+            _prefill_attention[(programs, self.num_kv_heads, segments)](
+                output,
+                *parts,
+                *head,
+                searched,
+                *tail,
+                BLOCK_M=block_m,
+                BLOCK_Q=block_q,
+                REQS_PAD=triton.next_power_of_2(searched),
+                **split,
+                **common,
+            )
+        if segments > 1:
+            _reduce_segments[(t, self.num_heads)](
+                output,
+                *parts,
+                md.query_start_loc,
+                num_reqs,
+                output.stride(0),
+                NUM_HEADS=self.num_heads,
+                HEAD_SIZE=self.head_size,
+                HEAD_PAD=common["HEAD_PAD"],
+                NUM_SEGMENTS=segments,
+            )
