@@ -187,8 +187,11 @@ else:
     ) -> None:
         """The engine on TRITON_ATTN (interpreted), mode FULL: the first step is a mixed
         batch that fits a graph (a prefill beside decodes, padded), then padded decode
-        graphs; greedy ids equal the CPU backend's eager ones."""
+        graphs; greedy ids equal the CPU backend's eager ones. Two segments: every graph
+        splits (and the interpreter pays for no more programs than that needs)."""
         from decodegraph.entrypoints.llm import LLM
+
+        monkeypatch.setattr(TritonAttentionBackend, "max_segments", 2)
 
         params = greedy(6)
         prompts = [[1, 30], [1, 31, 32], [1]]
@@ -363,14 +366,15 @@ else:
         return output
 
     @pytest.mark.parametrize(
-        "reqs, pad", [([(700, 1), (30, 1)], 2), ([(500, 9), (0, 3), (64, 1)], 5)], ids=str
+        "reqs, pad", [([(700, 1), (30, 1)], 2), ([(200, 9), (0, 3), (64, 1)], 5)], ids=str
     )
     def test_padded_rows_output_zeros_over_any_previous_contents(
         reqs: list[tuple[int, int]], pad: int
     ) -> None:
         """Padded rows (a split decode; a mixed batch) of an output that held NaN: zero,
         and the real rows right."""
-        case = long_case(4, 1, 64, 16, reqs, pad=pad)
+        case = long_case(4, 1, 64, 16, reqs, segments=8, pad=pad)
+        assert case.backend._segments(case.query.shape[0]) > 1
         out = _run_into(case, torch.full_like(case.query, float("nan")))
         check(case, out)
         assert torch.equal(out[case.metadata.num_actual_tokens :], torch.zeros_like(out[-pad:]))
