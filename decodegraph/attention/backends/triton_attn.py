@@ -25,8 +25,9 @@ as rows: [rows, head] x [head, TILE positions] for the scores, [rows, TILE] x [T
 head] for the output, with an online softmax (base 2) over the tiles; rows are one
 token's group padded to 16 (tl.dot's minimum) in decode, BLOCK_Q tokens x the group in
 prefill. A tile is one block at block sizes 16 and 32 (`kv_tile`); since it reads its
-positions through the block table, other block sizes work too. A sliding window starts the walk at the first tile the window
-reaches; logits soft-capping applies cap * tanh(s / cap) before the softmax (Gemma).
+positions through the block table, other block sizes work too. A sliding window starts
+the walk at the first tile the window reaches; logits soft-capping applies
+cap * tanh(s / cap) before the softmax (Gemma).
 
 Graph safety: every value the kernels read at run time is a device tensor
 (query_start_loc, seq_lens, block_tables, slot_mapping), and the launch grids depend only
