@@ -242,11 +242,37 @@ def _compile(index: int) -> Compiled | str:
     except Exception as e:  # noqa: BLE001  (every compile error is a failure to report)
         return f"{type(e).__name__}: {str(e)[-2000:]}"
     report = log.getvalue()
+    if _USED.search(report) is None:  # a triton without TRITON_DUMP_PTXAS_LOG
+        report = _ptxas_report(kernel.asm["ptx"])
     used, spills = _USED.search(report), _SPILLS.search(report)
     if used is None or spills is None:
-        return "no ptxas report (TRITON_DUMP_PTXAS_LOG unset, or a cached kernel)"
+        return f"no ptxas report: {report[-500:]}"
     stores, loads = int(spills.group(1)), int(spills.group(2))
     return Compiled(int(used.group(1)), stores, loads, kernel.metadata.shared)
+
+
+def _ptxas_report(ptx: str) -> str:
+    """ptxas -v's report on `ptx` from a ptxas of the wheel's that reads its version
+    (3.9 compiles sm_90 with ptxas-blackwell, earlier wheels with ptxas)."""
+    report = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        for name in ("ptxas-blackwell", "ptxas"):
+            ptxas = _ptxas().with_name(name)
+            if ptxas.is_file():
+                cmd = [
+                    str(ptxas),
+                    "-v",
+                    f"--gpu-name=sm_{CAPABILITY}a",
+                    str(source),
+                    "-o",
+                    os.devnull,
+                ]
+                report = subprocess.run(cmd, capture_output=True, text=True).stderr
+                if _USED.search(report):
+                    break
+    return report
 
 
 def compile_all(workers: int = 2) -> int:
