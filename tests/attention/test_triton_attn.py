@@ -357,6 +357,15 @@ else:
         case = long_case(8, 1, 64, 32, [(LONG - 1, 1), (4200, 1)], sliding_window=4096)
         check(case, run(case))
 
+    @pytest.mark.parametrize("block_size", [64, 128])
+    def test_tiles_within_larger_blocks(block_size: int) -> None:
+        """Blocks of several tiles (a tile is 32 positions of one block): decodes and a
+        mixed batch across block and tile boundaries."""
+        decodes = long_case(4, 1, 64, block_size, [(n - 1, 1) for n in (300, 129, 32)], segments=8)
+        check(decodes, run(decodes))
+        mixed = long_case(4, 1, 64, block_size, [(200, 20), (0, 9), (127, 1)], segments=8)
+        check(mixed, run(mixed))
+
     def _run_into(case: Case, output: torch.Tensor) -> torch.Tensor:
         case.backend.set_eager_metadata(case.metadata)
         with set_forward_context(ForwardContext(case.backend, EAGER_PARAMS_ID)):

@@ -67,6 +67,8 @@ def _shapes() -> list[Shape]:
         Shape(torch.bfloat16, 4, 1, 256, 16, 512),
         Shape(torch.bfloat16, 32, 8, 128, 32, None, 30.0),
         Shape(torch.float32, 32, 8, 64, 16, 1024, 50.0),
+        # Blocks of several tiles.
+        Shape(torch.bfloat16, 32, 8, 128, 128),
         # The models the CUDA checks run: the tiny Llama preset, stories260K.
         Shape(torch.float32, 8, 4, 32, 16),
         Shape(torch.float32, 8, 4, 8, 16),
