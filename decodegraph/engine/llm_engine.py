@@ -226,6 +226,12 @@ class LLMEngine:
             raise ValueError("prompt: the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids: every token id must be an int in [0, {vocab})")
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"logit_bias: token id(s) {bad} are out of vocabulary [0, {vocab})"
+                )
         if len(ids) >= max_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within "
@@ -238,6 +244,9 @@ class LLMEngine:
         children = []
         for i, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.for_child(i)
+            if i > 0 and child_params.prompt_logprobs is not None:
+                # The children share one prompt: the first computes its logprobs.
+                child_params.prompt_logprobs = None
             extra_eos = []
             if not child_params.ignore_eos:
                 extra_eos = [

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decodegraph.core.sched_output import NewRequestData, SchedulerOutput
+from decodegraph.outputs import Logprob
 from decodegraph.sampling_params import SamplingParams
 
 
@@ -34,6 +35,10 @@ class CachedRequestState:
     num_computed_tokens: int
     # Prompt then outputs (one list: a sampled token is one append).
     all_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs computed so far (entry j scores prompt token j + 1) while the
+    # request wants them and has not sampled its first token; else None
+    # (worker/prompt_logprobs.py).
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
     @classmethod
     def from_new_request(cls, new: NewRequestData, device: torch.device) -> CachedRequestState:
@@ -50,6 +55,7 @@ class CachedRequestState:
             block_ids=tuple(list(ids) for ids in new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             all_token_ids=list(new.prompt_token_ids),
+            prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None else None,
         )
 
     @property
@@ -78,6 +84,8 @@ class RequestStates:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.states: dict[str, CachedRequestState] = {}
+        # Requests still collecting prompt logprobs (most steps have none, and skip them).
+        self.collecting_prompt_logprobs: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.states)
@@ -99,8 +107,11 @@ class RequestStates:
             return [states[req_id] for req_id in so.req_ids], _NONE  # most decode steps
         for req_id in so.finished_req_ids:
             states.pop(req_id, None)
+            self.collecting_prompt_logprobs.discard(req_id)
         for new in so.scheduled_new_reqs:
-            states[new.req_id] = CachedRequestState.from_new_request(new, self.device)
+            state = states[new.req_id] = CachedRequestState.from_new_request(new, self.device)
+            if state.prompt_logprobs is not None:
+                self.collecting_prompt_logprobs.add(new.req_id)
         replaced: set[str] = set()
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,
