@@ -244,9 +244,6 @@ class LLMEngine:
         children = []
         for i, child_id in enumerate(child_ids):
             child_params = params if params.n == 1 else params.for_child(i)
-            if i > 0 and child_params.prompt_logprobs is not None:
-                # The children share one prompt: the first computes its logprobs.
-                child_params.prompt_logprobs = None
             extra_eos = []
             if not child_params.ignore_eos:
                 extra_eos = [
