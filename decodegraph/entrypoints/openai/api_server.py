@@ -38,8 +38,7 @@ from decodegraph.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     OpenAIServingTokenization,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
 )
 from decodegraph.metrics import PROMETHEUS_CONTENT_TYPE
@@ -218,9 +217,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
         return model_card(model_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
-    async def tokenize(
-        request: TokenizeCompletionRequest | TokenizeChatRequest,
-    ) -> TokenizeResponse:
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return tokenization.create_tokenize(request)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from decodegraph.engine.async_llm import AsyncLLM
 from decodegraph.entrypoints.openai.protocol import ChatMessage, OpenAIBaseModel
@@ -29,6 +29,19 @@ class TokenizeChatRequest(OpenAIBaseModel):
     # The rendered template carries its own special tokens (vLLM's default).
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+
+
+# POST /tokenize's body: chat messages or a prompt, told apart by "messages" (so that
+# only one model validates it, and logs the fields it ignores).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")]
+    | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class TokenizeResponse(BaseModel):
