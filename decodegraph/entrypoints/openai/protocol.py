@@ -247,7 +247,9 @@ class _UnsupportedChatFields(OpenAIBaseModel):
 
     def unsupported_fields(self) -> list[str]:
         """The fields set that change what OpenAI would answer."""
-        names = [n for n in ("audio", "prediction", "web_search_options") if getattr(self, n)]
+        names = [
+            n for n in ("audio", "prediction", "web_search_options") if getattr(self, n) is not None
+        ]
         if self.modalities is not None and self.modalities != ["text"]:
             names.append("modalities")
         return names
