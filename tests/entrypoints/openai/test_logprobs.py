@@ -221,3 +221,18 @@ def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, server: Runnin
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, logit_bias={"100000": 1})
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_chat_bytes_of_a_byte_token_are_its_own_byte(server: RunningServer) -> None:
+    from decodegraph.entrypoints.openai.logprobs import LogprobFormatter
+
+    tokenizer = server.async_llm.tokenizer
+    fmt = LogprobFormatter(tokenizer)
+    byte_ids = [
+        t
+        for t in tokenizer.encode("☃", add_special_tokens=False)
+        if tokenizer.convert_ids_to_tokens(t).startswith("<0x")
+    ]
+    assert [fmt.token_bytes(t, "") for t in byte_ids] == [[b] for b in "☃".encode()]
+    assert fmt.token_bytes(byte_ids[0], "bytes:\\xe2") == [0xE2]
+    assert fmt.token_bytes(tokenizer.encode("there")[-1], " there") == list(b" there")
