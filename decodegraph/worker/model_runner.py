@@ -43,6 +43,9 @@ from decodegraph.worker.request_state import CachedRequestState, RequestStates
 
 logger = logging.getLogger(__name__)
 
+# Prompt positions scored at once: bounds their logits to this many [vocab] rows.
+_PROMPT_LOGPROBS_SLICE = 512
+
 
 class ModelRunner:
     """Runs the model for one `SchedulerOutput` at a time."""
@@ -261,13 +264,21 @@ class ModelRunner:
         """Score the prompt positions of `rows` from this step's hidden states; without
         them (a uniform full graph) each request ran one token, and its row of `logits`
         is that token's."""
-        if hidden is None:
-            # Token row r is request row r in a uniform batch.
-            token_logits = logits[rows.token_rows]
-        else:
-            index = torch.tensor(rows.token_rows, dtype=torch.int64, device=hidden.device)
-            token_logits = self.model.compute_logits(hidden[index])
-        prompt_logprobs.accumulate(states, rows, token_logits)
+        k = prompt_logprobs.num_top(states, rows)
+        entries = []
+        # In slices, so that a long prompt's logits never take more than a slice's
+        # [rows, vocab] at once.
+        for start in range(0, len(rows.token_rows), _PROMPT_LOGPROBS_SLICE):
+            token_rows = rows.token_rows[start : start + _PROMPT_LOGPROBS_SLICE]
+            if hidden is None:
+                # Token row r is request row r in a uniform batch.
+                token_logits = logits[token_rows]
+            else:
+                index = torch.tensor(token_rows, dtype=torch.int64, device=hidden.device)
+                token_logits = self.model.compute_logits(hidden[index])
+            targets = rows.targets[start : start + _PROMPT_LOGPROBS_SLICE]
+            entries += prompt_logprobs.compute(token_logits, targets, k)
+        prompt_logprobs.accumulate(states, rows, entries, k)
 
     def _forward(
         self, batch: InputBatch

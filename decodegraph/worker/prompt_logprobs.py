@@ -88,15 +88,19 @@ def compute(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, 
     return out
 
 
+def num_top(states: list[CachedRequestState], rows: PromptLogprobRows) -> int:
+    """The most top logprobs any of the rows' requests asks for."""
+    return max(states[i].sampling_params.prompt_logprobs or 0 for i, _ in rows.requests)
+
+
 def accumulate(
     states: list[CachedRequestState],
     rows: PromptLogprobRows,
-    logits: torch.Tensor,
+    entries: list[dict[int, Logprob]],
+    k: int,
 ) -> None:
-    """Compute the rows' prompt logprobs from their `logits` [len(token_rows), V] and
-    append them to their requests' states (each with its own top-k)."""
-    k = max(states[i].sampling_params.prompt_logprobs or 0 for i, _ in rows.requests)
-    entries = compute(logits, rows.targets, k)
+    """Append the rows' `entries` (from `compute` with top-`k`) to their requests'
+    states, each cut to its own top-k."""
     start = 0
     for i, count in rows.requests:
         state = states[i]

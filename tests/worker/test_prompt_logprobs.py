@@ -147,3 +147,16 @@ def test_prompt_logprobs_in_every_graph_mode(
     if mode != "NONE":
         graph = "PIECEWISE" if mode == "PIECEWISE" else "FULL"
         assert any(m == graph for _, m in ran), ran
+
+
+def test_prompt_logprobs_scored_in_slices(
+    engines: Callable[..., LLM], reference: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decodegraph.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "_PROMPT_LOGPROBS_SLICE", 3)
+    llm = engines()
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        _check(llm, prompt, out, 2, reference)
