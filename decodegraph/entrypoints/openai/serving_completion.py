@@ -32,7 +32,7 @@ from decodegraph.entrypoints.openai.serving_engine import (
     sse,
     until_disconnect,
 )
-from decodegraph.outputs import CompletionOutput, RequestOutput
+from decodegraph.outputs import CompletionOutput, Logprob, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind
 
 
@@ -104,22 +104,25 @@ class OpenAIServingCompletion(OpenAIServing):
         out: RequestOutput,
         request: CompletionRequest,
         fmt: LogprobFormatter,
+        prompt_lps: list[dict[int, Logprob] | None] | None,
     ) -> str:
-        """Fold one delta into a choice; return the text this delta adds."""
+        """Fold one delta into a choice; return the text this delta adds. `prompt_lps`
+        are the prompt's logprobs once known (a DELTA request sends them once, possibly
+        before this choice's first output)."""
         num_top = request.logprobs or 0
         delta = c.text
         if not choice.started:
             choice.started = True
             if request.prompt_logprobs is not None:
-                choice.prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs)
+                choice.prompt_logprobs = prompt_logprobs_field(prompt_lps)
             if request.echo:
                 echo_text = self._echo_text(prompt, out)
-                if request.logprobs is not None and out.prompt_logprobs is not None:
+                if request.logprobs is not None and prompt_lps is not None:
                     choice.logprobs = CompletionLogProbs()
                     fmt.extend_completion(
                         choice.logprobs,
                         out.prompt_token_ids,
-                        out.prompt_logprobs,
+                        prompt_lps,
                         num_top,
                         0,
                     )
@@ -154,11 +157,16 @@ class OpenAIServingCompletion(OpenAIServing):
         fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_tokens = [0] * len(prompts)
+        prompt_lps: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompts)
         try:
             async for i, out in outputs:
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
-                    self._update(choices[i * n + c.index], c, prompts[i], out, request, fmt)
+                    self._update(
+                        choices[i * n + c.index], c, prompts[i], out, request, fmt, prompt_lps[i]
+                    )
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503) from None
         completion_tokens = sum(ch.num_tokens for ch in choices)
@@ -196,15 +204,18 @@ class OpenAIServingCompletion(OpenAIServing):
         every_chunk_usage = continuous_usage(request.stream_options)
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_tokens = [0] * len(prompts)
+        prompt_lps: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompts)
         try:
             async for i, out in outputs:
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
                     k = i * n + c.index
                     choice = choices[k]
                     num_lp = len(choice.logprobs.tokens) if choice.logprobs else 0
                     first = not choice.started
-                    delta = self._update(choice, c, prompts[i], out, request, fmt)
+                    delta = self._update(choice, c, prompts[i], out, request, fmt, prompt_lps[i])
                     if not delta and not c.token_ids and c.finish_reason is None:
                         continue
                     logprobs = None

@@ -236,3 +236,34 @@ def test_chat_bytes_of_a_byte_token_are_its_own_byte(server: RunningServer) -> N
     assert [fmt.token_bytes(t, "") for t in byte_ids] == [[b] for b in "☃".encode()]
     assert fmt.token_bytes(byte_ids[0], "bytes:\\xe2") == [0xE2]
     assert fmt.token_bytes(tokenizer.encode("there")[-1], " there") == list(b" there")
+
+
+def test_echo_logprobs_for_every_choice_and_prompt(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    prompts = [PROMPT, "The cat sat"]
+    for stream in (False, True):
+        out = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompts,
+            n=2,
+            max_tokens=3,
+            temperature=1.0,
+            seed=3,
+            echo=True,
+            logprobs=1,
+            stream=stream,
+        )
+        tokens: dict[int, list[str]] = {}
+        texts: dict[int, str] = {}
+        for chunk in out if stream else [out]:
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                if choice.logprobs is not None:
+                    tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens)
+        assert sorted(texts) == [0, 1, 2, 3]
+        for index, text in texts.items():
+            prompt = prompts[index // 2]
+            assert text.startswith(prompt)
+            assert len(tokens[index]) >= len(_ids(server, prompt))
+            assert "".join(tokens[index]) == text
