@@ -51,6 +51,14 @@ class LogprobFormatter:
                 return list(raw)
         return list(text.encode())
 
+    def _distinct_key(self, token_id: int) -> str:
+        """A key for a token whose text another top token already has (a byte-fallback
+        "<0x61>" next to "a"): its bytes, else its id, so that no alternative is lost."""
+        raw = token_bytes(self.tokenizer.convert_ids_to_tokens(token_id))
+        if raw is not None:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return f"token_id:{token_id}"
+
     def extend_completion(
         self,
         out: CompletionLogProbs,
@@ -78,7 +86,9 @@ class LogprobFormatter:
                     if j > num_top:
                         break
                     key = text if t == token_id else self.token(t, lp)
-                    top.setdefault(key, max(lp.logprob, _MIN_LOGPROB))
+                    if key in top:
+                        key = self._distinct_key(t)
+                    top[key] = max(lp.logprob, _MIN_LOGPROB)
                 out.top_logprobs.append(top)
             out.tokens.append(text)
             out.text_offset.append(offset)

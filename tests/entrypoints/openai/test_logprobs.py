@@ -267,3 +267,23 @@ def test_echo_logprobs_for_every_choice_and_prompt(
             assert text.startswith(prompt)
             assert len(tokens[index]) >= len(_ids(server, prompt))
             assert "".join(tokens[index]) == text
+
+
+def test_top_logprob_keys_stay_distinct_when_texts_collide(server: RunningServer) -> None:
+    from decodegraph.entrypoints.openai.logprobs import LogprobFormatter
+    from decodegraph.entrypoints.openai.protocol import CompletionLogProbs
+    from decodegraph.outputs import Logprob
+
+    tokenizer = server.async_llm.tokenizer
+    fmt = LogprobFormatter(tokenizer)
+    a = tokenizer.convert_tokens_to_ids("a")
+    byte_a = tokenizer.convert_tokens_to_ids("<0x61>")
+    other = tokenizer.convert_tokens_to_ids("▁the")
+    entry = {
+        a: Logprob(-0.1, 1, "a"),
+        byte_a: Logprob(-2.0, 2, "a"),
+        other: Logprob(-3.0, 3, "a"),  # any other token whose piece collides
+    }
+    out = CompletionLogProbs()
+    fmt.extend_completion(out, [a], [entry], 3, 0)
+    assert out.top_logprobs[0] == {"a": -0.1, "bytes:\\x61": -2.0, f"token_id:{other}": -3.0}
