@@ -100,7 +100,10 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(parts)
             else:
                 content = m.content or ""
-            messages.append({"role": m.role, "content": content})
+            message = {"role": m.role, "content": content}
+            if m.name is not None:
+                message["name"] = m.name  # for templates that render it (vLLM passes it)
+            messages.append(message)
         try:
             return self.async_llm.engine.apply_chat_template(
                 messages,

@@ -17,6 +17,11 @@ from tests.utils.server import RunningServer, make_engine, start_server
 
 MODEL_NAME = "stories"
 PROMPT = "Once upon a time"
+# A chat template that renders a message's name.
+NAMED_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}{% if m.get('name') %} ({{ m['name'] }}){% endif %}"
+    ": {{ m['content'] }}\n{% endfor %}"
+)
 
 
 @pytest.fixture
@@ -27,7 +32,11 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def info_server(stories_dir: Path) -> Iterator[RunningServer]:
-    running = start_server(make_engine(stories_dir), enable_tokenizer_info_endpoint=True)
+    running = start_server(
+        make_engine(stories_dir),
+        enable_tokenizer_info_endpoint=True,
+        chat_template=NAMED_TEMPLATE,
+    )
     yield running
     running.stop()
 
@@ -189,3 +198,13 @@ def test_a_client_that_leaves_is_one_log_line(server: RunningServer) -> None:
     gone = [r for r in seen if "went away" in r.getMessage()]
     assert len(gone) == 1 and "\n" not in gone[0].getMessage()
     assert not [r for r in seen if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_chat_message_name_reaches_the_template(info_server: RunningServer) -> None:
+    messages = [{"role": "user", "name": "bob", "content": "hi"}, {"role": "user", "content": "yo"}]
+    r = httpx.post(f"{info_server.base_url}/tokenize", json={"messages": messages})
+    tokenizer = info_server.async_llm.tokenizer
+    want = tokenizer.encode("user (bob): hi\nuser: yo\n", add_special_tokens=False)
+    assert r.json()["tokens"] == want
+    info = httpx.get(f"{info_server.base_url}/tokenizer_info").json()
+    assert info["chat_template"] == NAMED_TEMPLATE
