@@ -89,12 +89,20 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("prompt: a token id list must not be empty", 400, "prompt")
         return list(prompt)
 
-    def _echo_text(self, prompt: str | list[int], out: RequestOutput) -> str:
+    def _echo_text(
+        self, prompt: str | list[int], out: RequestOutput, request: CompletionRequest
+    ) -> str:
         if isinstance(prompt, str):
             return prompt
         if out.prompt is not None:
             return out.prompt
-        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer else ""
+        if self.tokenizer is None:
+            return ""
+        # Rendered as generated text is (special tokens skipped by default), so that the
+        # prompt's logprob tokens concatenate to it.
+        return self.tokenizer.decode(
+            out.prompt_token_ids, skip_special_tokens=request.skip_special_tokens
+        )
 
     def _update(
         self,
@@ -116,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.prompt_logprobs is not None:
                 choice.prompt_logprobs = prompt_logprobs_field(prompt_lps)
             if request.echo:
-                echo_text = self._echo_text(prompt, out)
+                echo_text = self._echo_text(prompt, out, request)
                 if request.logprobs is not None and prompt_lps is not None:
                     choice.logprobs = CompletionLogProbs()
                     fmt.extend_completion(

@@ -287,3 +287,13 @@ def test_top_logprob_keys_stay_distinct_when_texts_collide(server: RunningServer
     out = CompletionLogProbs()
     fmt.extend_completion(out, [a], [entry], 3, 0)
     assert out.top_logprobs[0] == {"a": -0.1, "bytes:\\x61": -2.0, f"token_id:{other}": -3.0}
+
+
+def test_echo_of_a_token_prompt_is_its_text(client: openai.OpenAI, server: RunningServer) -> None:
+    ids = _ids(server, PROMPT)  # BOS first
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True, logprobs=0
+    )
+    choice = out.choices[0]
+    assert choice.text == PROMPT
+    assert "".join(choice.logprobs.tokens) == PROMPT
