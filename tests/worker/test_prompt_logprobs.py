@@ -160,3 +160,38 @@ def test_prompt_logprobs_scored_in_slices(
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         _check(llm, prompt, out, 2, reference)
+
+
+def test_prompt_logprobs_survive_preemption(
+    engines: Callable[..., LLM], reference: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nine usable blocks of 16 tokens: a short request decodes while a prompt of about
+    120 tokens is fed 15 tokens a step, until the long one cannot get a block and is
+    preempted before its first token (then again after it, as the short one grows); it
+    recomputes, and each position's logprob is computed once and right."""
+    from decodegraph.core.scheduler import Scheduler
+
+    preempted: list[tuple[str, int]] = []
+    original = Scheduler._preempt
+
+    def counting(self: Scheduler, request: object) -> None:
+        preempted.append((request.request_id, request.num_output_tokens))
+        original(self, request)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting)
+    llm = engines(
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=True,
+        num_gpu_blocks_override=10,
+        max_num_seqs=4,
+    )
+    tokenizer = llm.get_tokenizer()
+    long_prompt = " ".join(PROMPTS * 3)
+    while len(tokenizer.encode(long_prompt)) > 120:
+        long_prompt = long_prompt.rsplit(" ", 1)[0]
+    short = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    long = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    outs = llm.generate([PROMPTS[1], long_prompt], [short, long], use_tqdm=False)
+    assert any(outputs == 0 for _, outputs in preempted), preempted
+    _check(llm, PROMPTS[1], outs[0], 1, reference)
+    _check(llm, long_prompt, outs[1], 2, reference)
