@@ -58,3 +58,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
+    # With `prompt_logprobs`: None for the first prompt token, then per prompt token a
+    # dict token id -> Logprob (the prompt token plus the top-k); else None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

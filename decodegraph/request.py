@@ -79,6 +79,9 @@ class Request:
     # no per-token work waits on each token (stop strings, logprobs): the scheduler then
     # emits one output, when the request finishes, with every token.
     final_output_only: bool = field(init=False, default=False)
+    # Prompt logprobs need every prompt position computed, so a prefix-cache hit must
+    # not skip any (vLLM's name); its blocks are still cached for others.
+    skip_reading_prefix_cache: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -88,7 +91,9 @@ class Request:
             params.output_kind is RequestOutputKind.FINAL_ONLY
             and not params.stop
             and params.logprobs is None
+            and params.prompt_logprobs is None
         )
+        self.skip_reading_prefix_cache = params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -78,6 +78,12 @@ class SamplingParams:
     min_tokens: int = 0
     # Top logprobs per generated token; 0 returns only the sampled token's.
     logprobs: int | None = None
+    # Top logprobs per prompt token (the first has none); 0 returns only the prompt
+    # token's. A request that asks for them does not read the prefix cache: every
+    # prompt position is computed (docs/design.md, "Prompt logprobs").
+    prompt_logprobs: int | None = None
+    # Token id -> value added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -156,6 +162,14 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+                )
+        if self.logit_bias is not None:
+            self._verify_logit_bias()
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -173,6 +187,26 @@ class SamplingParams:
                 "structured_outputs: must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}"
             )
+
+    def _verify_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(
+                f"logit_bias: must be a map of token id to bias, got {self.logit_bias!r}"
+            )
+        bias: dict[int, float] = {}
+        for token, value in self.logit_bias.items():
+            # JSON keys are strings ("50256"); accept those that spell an integer.
+            if isinstance(token, str) and token.lstrip("-").isdigit():
+                token = int(token)
+            if not _is_int(token) or token < 0:
+                raise ValueError(
+                    f"logit_bias: token ids must be non-negative integers, got {token!r}"
+                )
+            if not _is_number(value):
+                raise ValueError(f"logit_bias: biases must be numbers, got {value!r}")
+            # Clamped to OpenAI's range, as vLLM does.
+            bias[token] = min(100.0, max(-100.0, float(value)))
+        self.logit_bias = bias
 
     @property
     def is_greedy(self) -> bool:
@@ -202,7 +236,10 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """An independent copy (lists are copied too)."""
         return dataclasses.replace(
-            self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids)
+            self,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
         )
 
     def for_child(self, index: int) -> SamplingParams:

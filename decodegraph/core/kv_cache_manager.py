@@ -243,7 +243,7 @@ class KVCacheManager:
         produces the logits to sample from. The blocks are not referenced yet: pass them
         to `allocate_slots` before any other allocation.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.nothing_new, 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._update_block_hashes(request, max_blocks)

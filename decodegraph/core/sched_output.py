@@ -107,6 +107,9 @@ class ModelRunnerOutput:
     # Per request: token id -> Logprob (top-k plus the sampled token), or None where
     # not requested or nothing was sampled; None for the whole batch if nobody asked.
     logprobs: list[dict[int, Logprob] | None] | None = None
+    # Request id -> its whole prompt logprobs (None for the first token, then one dict
+    # per prompt token), sent with the step that samples its first token.
+    prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,6 +121,8 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     # One dict per new token: token id -> Logprob (top-k plus the sampled token).
     new_logprobs: list[dict[int, Logprob]] | None = None
+    # The request's prompt logprobs, with its first output only (when it asked).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when the scheduler finished the request (EOS, stop token, length, abort).
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -307,6 +307,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         sampled_token_ids = model_output.sampled_token_ids
         logprobs = model_output.logprobs
+        prompt_logprobs = model_output.prompt_logprobs_dict
         num_scheduled = scheduler_output.num_scheduled_tokens
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
@@ -351,6 +352,9 @@ class Scheduler:
                     first_scheduled_time=request.first_scheduled_time,
                     num_cached_tokens=request.num_cached_tokens,
                     first_token_time=request.first_token_time,
+                    prompt_logprobs=(
+                        prompt_logprobs.get(request.request_id) if prompt_logprobs else None
+                    ),
                 )
             )
         self.num_generated_tokens += num_generated

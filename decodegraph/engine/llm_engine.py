@@ -240,6 +240,12 @@ class LLMEngine:
             raise ValueError("prompt: the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt_token_ids: every token id must be an int in [0, {vocab})")
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= vocab)
+            if bad:
+                raise ValueError(
+                    f"logit_bias: token id(s) {bad} are out of vocabulary [0, {vocab})"
+                )
         if len(ids) >= max_len:
             raise ValueError(
                 f"prompt: {len(ids)} tokens leave no room to generate within "

@@ -13,6 +13,7 @@ from typing import Any
 
 from decodegraph.core.sched_output import EngineCoreOutput
 from decodegraph.engine.detokenizer import IncrementalDetokenizer
+from decodegraph.engine.logprob_text import TokenTexts
 from decodegraph.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,6 +36,8 @@ class _ChildState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # Decodes logprob tokens after the sequence so far (None without a tokenizer).
+    token_texts: TokenTexts | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # How much of token_ids / logprobs earlier DELTA outputs already carried.
@@ -54,6 +57,10 @@ class _ParentState:
     num_unfinished: int
     # Prompt tokens served from the prefix cache (the first sequence's, as scheduled).
     num_cached_tokens: int | None = None
+    # With params.prompt_logprobs, once the first sequence computed them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Whether a DELTA output already carried them.
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -67,7 +74,6 @@ class OutputProcessor:
         self._parents: dict[str, _ParentState] = {}
         # Child request id -> (parent, child).
         self._children: dict[str, tuple[_ParentState, _ChildState]] = {}
-        self._decoded_tokens: dict[int, str] = {}
 
     def add_request(
         self,
@@ -91,10 +97,21 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             logprobs: list[dict[int, Logprob]] | None = None
             cumulative: float | None = None
+            texts = None
             if params.logprobs is not None:
                 logprobs, cumulative = [], 0.0
+                if self.tokenizer is not None:
+                    texts = TokenTexts(
+                        self.tokenizer, prompt_token_ids[-8:], params.skip_special_tokens
+                    )
             children.append(
-                _ChildState(index, detok, logprobs=logprobs, cumulative_logprob=cumulative)
+                _ChildState(
+                    index,
+                    detok,
+                    logprobs=logprobs,
+                    cumulative_logprob=cumulative,
+                    token_texts=texts,
+                )
             )
         parent = _ParentState(
             request_id=request_id,
@@ -176,9 +193,14 @@ class OutputProcessor:
                 metrics.first_token_time = out.first_token_time or now
             metrics.last_token_time = now
         child.token_ids += new_ids
+        if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            parent.prompt_logprobs = self._with_prompt_texts(
+                parent.prompt_token_ids, out.prompt_logprobs, params
+            )
         if child.logprobs is not None and out.new_logprobs:
             for token_id, entry in zip(new_ids, out.new_logprobs, strict=True):
-                self._fill_decoded_tokens(entry)
+                if child.token_texts is not None:
+                    _fill_decoded_tokens(child.token_texts, token_id, entry)
                 child.logprobs.append(entry)
                 assert child.cumulative_logprob is not None
                 child.cumulative_logprob += entry[token_id].logprob
@@ -203,16 +225,19 @@ class OutputProcessor:
             parent.num_unfinished -= 1
         return stopped_by_string
 
-    def _fill_decoded_tokens(self, entry: dict[int, Logprob]) -> None:
-        if self.tokenizer is None:
-            return
-        for token_id, logprob in entry.items():
-            if logprob.decoded_token is None:
-                text = self._decoded_tokens.get(token_id)
-                if text is None:
-                    text = self.tokenizer.decode([token_id])
-                    self._decoded_tokens[token_id] = text
-                logprob.decoded_token = text
+    def _with_prompt_texts(
+        self,
+        prompt_token_ids: list[int],
+        prompt_logprobs: list[dict[int, Logprob] | None],
+        params: SamplingParams,
+    ) -> list[dict[int, Logprob] | None]:
+        if self.tokenizer is None or len(prompt_token_ids) < 2:
+            return prompt_logprobs
+        texts = TokenTexts(self.tokenizer, prompt_token_ids[:1], params.skip_special_tokens)
+        for token_id, entry in zip(prompt_token_ids[1:], prompt_logprobs[1:], strict=True):
+            assert entry is not None
+            _fill_decoded_tokens(texts, token_id, entry)
+        return prompt_logprobs
 
     def _make_request_output(
         self, parent: _ParentState, touched: list[_ChildState], now: float
@@ -226,6 +251,12 @@ class OutputProcessor:
         delta = kind is RequestOutputKind.DELTA
         # A DELTA output carries only the sequences that changed this step.
         children = sorted(touched, key=lambda c: c.index) if delta else parent.children
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            # Sent once, with the first output that has them (as vLLM's DELTA outputs).
+            if parent.prompt_logprobs_sent:
+                prompt_logprobs = None
+            parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -234,6 +265,7 @@ class OutputProcessor:
             finished=finished,
             metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens or 0,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _completion(self, child: _ChildState, delta: bool) -> CompletionOutput:
@@ -261,3 +293,11 @@ class OutputProcessor:
             finish_reason=child.finish_reason,
             stop_reason=child.stop_reason,
         )
+
+
+def _fill_decoded_tokens(texts: TokenTexts, token_id: int, entry: dict[int, Logprob]) -> None:
+    """Set each Logprob's `decoded_token` to its piece in the sequence's context, then
+    append `token_id` (the one the sequence took) to that context."""
+    _, pieces = texts.add(token_id, entry)
+    for t, logprob in entry.items():
+        logprob.decoded_token = pieces[t]

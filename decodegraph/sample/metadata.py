@@ -67,6 +67,8 @@ class _BatchStatics:
     frequency_penalties: torch.Tensor | None
     repetition_penalties: torch.Tensor | None
     has_min_tokens: bool
+    # (rows, token ids, biases) of the requests' logit_bias; None when none has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -100,6 +102,7 @@ class SamplingMetadata:
             and self.min_tokens_mask is None
             and self.statics.max_num_logprobs is None
             and self.structured_output_mask is None
+            and self.statics.logit_bias is None
         )
 
     @classmethod
@@ -213,6 +216,28 @@ def _build_statics(
         frequency_penalties=frequency,
         repetition_penalties=repetition,
         has_min_tokens=any(p.min_tokens > 0 for p in params),
+        logit_bias=_logit_bias(params, vocab_size, device),
+    )
+
+
+def _logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            if token < vocab_size:  # the engine rejects the others
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if not rows:
+        return None
+    return (
+        to_device(rows, torch.int64, device),
+        to_device(cols, torch.int64, device),
+        to_device(values, torch.float32, device),
     )
 
 

@@ -1,8 +1,8 @@
 """Turns a step's logits into next tokens (and logprobs when asked).
 
 Order, per row: the grammar's mask (structured outputs, as vLLM masks before its
-sampler); logprobs from those logits; min-tokens mask; penalties; then greedy
-argmax, or temperature, top-k, top-p, min-p and a random draw. The draw is an
+sampler); logprobs from those logits; logit bias; min-tokens mask; penalties; then
+greedy argmax, or temperature, top-k, top-p, min-p and a random draw. The draw is an
 exponential race (argmax of probs / Exponential(1) noise), which is a sample from probs
 without a host round trip, and lets a seeded request draw its noise from its own
 generator so its tokens do not depend on the rest of the batch.
@@ -53,8 +53,15 @@ class Sampler:
         if statics.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
 
-        if metadata.min_tokens_mask is not None or metadata.output_token_counts is not None:
+        if (
+            metadata.min_tokens_mask is not None
+            or metadata.output_token_counts is not None
+            or statics.logit_bias is not None
+        ):
             logits = logits.float().clone()
+            if statics.logit_bias is not None:
+                rows, cols, bias = statics.logit_bias
+                logits.index_put_((rows, cols), bias, accumulate=True)
             if metadata.min_tokens_mask is not None:
                 rows, cols = metadata.min_tokens_mask
                 logits[rows, cols] = float("-inf")

@@ -36,12 +36,16 @@ from decodegraph.platforms.base import Platform
 from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
 from decodegraph.sample.sampler import Sampler, SamplerOutput
 from decodegraph.structured_output.manager import StructuredOutputManager
+from decodegraph.worker import prompt_logprobs
 from decodegraph.worker.attention_groups import AttentionGroups, build_attention_groups
 from decodegraph.worker.input_batch import InputBatch
 from decodegraph.worker.input_buffers import InputBuffers
 from decodegraph.worker.request_state import CachedRequestState, RequestStates
 
 logger = logging.getLogger(__name__)
+
+# Prompt positions scored at once: bounds their logits to this many [vocab] rows.
+_PROMPT_LOGPROBS_SLICE = 512
 
 
 class ModelRunner:
@@ -222,7 +226,14 @@ class ModelRunner:
             # Their rows were written for blocks that are gone.
             self.buffers.forget(so.preempted_req_ids | replaced)
         batch = self._prepare_inputs(so, states)
-        logits, greedy_ids = self._forward(batch)
+        logits, greedy_ids, hidden = self._forward(batch)
+        prompt_rows = None
+        if self.requests.collecting_prompt_logprobs:
+            prompt_rows = prompt_logprobs.find_rows(
+                states, so.num_scheduled_tokens, batch.query_start_loc_cpu
+            )
+        if prompt_rows is not None:
+            self._prompt_logprobs(states, prompt_rows, logits, hidden)
         sampled: list[int | None] = [None] * batch.num_reqs
         logprobs: list | None = None
         rows = batch.sample_rows
@@ -252,11 +263,44 @@ class ModelRunner:
                 logprobs = [None] * batch.num_reqs
                 for i, lp in zip(rows, out.logprobs, strict=True):
                     logprobs[i] = lp
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs)
+        output = ModelRunnerOutput(batch.req_ids, sampled, logprobs)
+        if self.requests.collecting_prompt_logprobs:
+            output.prompt_logprobs_dict = prompt_logprobs.take_finished(states, rows)
+            self.requests.collecting_prompt_logprobs.difference_update(output.prompt_logprobs_dict)
+        return output
 
-    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for each request's last scheduled token ([num_reqs, vocab]), and their
-        greedy ids where a full decode graph computed them (else None)."""
+    def _prompt_logprobs(
+        self,
+        states: list[CachedRequestState],
+        rows: prompt_logprobs.PromptLogprobRows,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+    ) -> None:
+        """Score the prompt positions of `rows` from this step's hidden states; without
+        them (a uniform full graph) each request ran one token, and its row of `logits`
+        is that token's."""
+        k = prompt_logprobs.num_top(states, rows)
+        entries = []
+        # In slices, so that a long prompt's logits never take more than a slice's
+        # [rows, vocab] at once.
+        for start in range(0, len(rows.token_rows), _PROMPT_LOGPROBS_SLICE):
+            token_rows = rows.token_rows[start : start + _PROMPT_LOGPROBS_SLICE]
+            if hidden is None:
+                # Token row r is request row r in a uniform batch.
+                token_logits = logits[token_rows]
+            else:
+                index = torch.tensor(token_rows, dtype=torch.int64, device=hidden.device)
+                token_logits = self.model.compute_logits(hidden[index])
+            targets = rows.targets[start : start + _PROMPT_LOGPROBS_SLICE]
+            entries += prompt_logprobs.compute(token_logits, targets, k)
+        prompt_logprobs.accumulate(states, rows, entries, k)
+
+    def _forward(
+        self, batch: InputBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Logits for each request's last scheduled token ([num_reqs, vocab]), their
+        greedy ids where a full decode graph computed them (else None), and the hidden
+        states of every token row (None from a uniform full graph, which returns logits)."""
         mode, key, n = batch.runtime_mode, batch.batch_descriptor, batch.num_reqs
         b = self.buffers
         with set_forward_context(self._eager_context):
@@ -269,9 +313,9 @@ class ModelRunner:
                 if mode is RuntimeMode.FULL and key.uniform:
                     logits, greedy_ids = out
                     if logits.shape[0] == n:
-                        return logits, greedy_ids
-                    return logits[:n], greedy_ids[:n]
+                        return logits, greedy_ids, None
+                    return logits[:n], greedy_ids[:n], None
                 hidden = out
             if key.uniform and batch.num_tokens == n:
-                return self.model.compute_logits(hidden[:n]), None
-            return self.model.compute_logits(hidden[b.logits_indices.gpu[:n]]), None
+                return self.model.compute_logits(hidden[:n]), None, hidden
+            return self.model.compute_logits(hidden[b.logits_indices.gpu[:n]]), None, hidden

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from decodegraph.core.sched_output import NewRequestData, SchedulerOutput
+from decodegraph.outputs import Logprob
 from decodegraph.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,6 +44,10 @@ class CachedRequestState:
     all_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: the request's matcher, advanced with every sampled token.
     grammar: object | None = None
+    # Prompt logprobs computed so far (entry j scores prompt token j + 1) while the
+    # request wants them and has not sampled its first token; else None
+    # (worker/prompt_logprobs.py).
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
     @classmethod
     def from_new_request(
@@ -69,6 +74,7 @@ class CachedRequestState:
             num_computed_tokens=new.num_computed_tokens,
             all_token_ids=list(new.prompt_token_ids),
             grammar=grammar,
+            prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None else None,
         )
 
     @property
@@ -106,6 +112,8 @@ class RequestStates:
         self.states: dict[str, CachedRequestState] = {}
         # States with a grammar: while none is, a step builds no bitmask at all.
         self.num_with_grammar = 0
+        # Requests still collecting prompt logprobs (most steps have none, and skip them).
+        self.collecting_prompt_logprobs: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.states)
@@ -129,12 +137,15 @@ class RequestStates:
             gone = states.pop(req_id, None)
             if gone is not None and gone.grammar is not None:
                 self.num_with_grammar -= 1
+            self.collecting_prompt_logprobs.discard(req_id)
         for new in so.scheduled_new_reqs:
             state = states[new.req_id] = CachedRequestState.from_new_request(
                 new, self.device, self.structured_output
             )
             if state.grammar is not None:
                 self.num_with_grammar += 1
+            if state.prompt_logprobs is not None:
+                self.collecting_prompt_logprobs.add(new.req_id)
         replaced: set[str] = set()
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,

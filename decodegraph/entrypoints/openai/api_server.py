@@ -28,7 +28,19 @@ from decodegraph.entrypoints.openai.protocol import (
 )
 from decodegraph.entrypoints.openai.serving_chat import OpenAIServingChat, load_chat_template
 from decodegraph.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from decodegraph.entrypoints.openai.serving_engine import OpenAIError, error_body, error_response
+from decodegraph.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
+    OpenAIError,
+    error_body,
+    error_response,
+)
+from decodegraph.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIServingTokenization,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from decodegraph.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from decodegraph.metrics import PROMETHEUS_CONTENT_TYPE
 
@@ -111,6 +123,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc.message, exc.status, exc.param)
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+        client = request.client
+        logger.info(
+            "%s: the client%s went away before the answer; its request was aborted",
+            exc,
+            f" {client.host}:{client.port}" if client else "",
+        )
+        # Nobody reads it: 499, nginx's "client closed request", for access logs.
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
@@ -147,6 +170,9 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
         enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)),
         tool_parser=getattr(args, "tool_call_parser", None),
     )
+    tokenization = OpenAIServingTokenization(async_llm, served, chat_template)
+    as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    completion.return_tokens_as_token_ids = chat.return_tokens_as_token_ids = as_token_ids
     max_model_len = async_llm.model_config.max_model_len
 
     app = FastAPI(title="decodegraph OpenAI-compatible server", version=VERSION)
@@ -166,6 +192,15 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
             return error_response("The engine is not running.", 503)
         return Response(status_code=200)
 
+    @app.get("/ping")
+    async def ping() -> Response:
+        """vLLM's /ping (SageMaker-style probes, GET or POST): /health's answer."""
+        return await health()
+
+    @app.post("/ping")
+    async def ping_post() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": VERSION}
@@ -176,10 +211,31 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace | Any) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        root = str(async_llm.model_config.model)
-        return ModelList(
-            data=[ModelCard(id=name, root=root, max_model_len=max_model_len) for name in served]
+        return ModelList(data=[model_card(name) for name in served])
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name, root=str(async_llm.model_config.model), max_model_len=max_model_len
         )
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        completion.check_model(model_id)
+        return model_card(model_id)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.create_tokenize(request)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.create_detokenize(request)
+
+    if getattr(args, "enable_tokenizer_info_endpoint", False):
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            return tokenization.get_tokenizer_info()
 
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -222,6 +278,16 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="larger request bodies get a 413",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens as "token_id:N" (for tokens that are not valid UTF-8 alone)',
+    )
+    parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)",
     )
     parser.add_argument(
         "--uvicorn-log-level",

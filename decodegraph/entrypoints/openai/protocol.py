@@ -7,15 +7,18 @@ the fuzzer) the truth; the rest is checked by `SamplingParams` and the engine.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from decodegraph.entrypoints.openai.structured_outputs import StructuredOutputFields
 from decodegraph.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall, ToolFields
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # torch.Generator.manual_seed takes [-2**63, 2**64); a wider seed would fail inside an
 # engine step, where it would hurt every request, so reject it here (n > 1 adds the
@@ -32,9 +35,22 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request model: no NaN/inf floats, unknown fields ignored (as OpenAI)."""
+    """Base of every request model: no NaN/inf floats, unknown fields ignored (as OpenAI)
+    and logged in one line (as vLLM)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ignored = data.keys() - cls.model_fields.keys()
+            if ignored:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s",
+                    sorted(ignored),
+                )
+        return data
 
 
 class ErrorInfo(BaseModel):
@@ -52,6 +68,8 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+    # With include_usage: every chunk carries the usage so far (vLLM's field).
+    continuous_usage_stats: bool | None = False
 
 
 class UsageInfo(BaseModel):
@@ -82,9 +100,19 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Token id (a JSON key, so a string) -> bias added to its logit, in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # vLLM's: top logprobs of every prompt token (the response's `prompt_logprobs`).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: logprob tokens as "token_id:N" (also the --return-tokens-as-token-ids flag).
+    return_tokens_as_token_ids: bool | None = None
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, output_kind: RequestOutputKind
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        output_kind: RequestOutputKind,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Build `SamplingParams`; its own checks raise ValueError naming the field."""
         kwargs: dict[str, Any] = {
@@ -99,6 +127,10 @@ class _SamplingFields(OpenAIBaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "output_kind": output_kind,
+            "logit_bias": self.logit_bias,
+            "prompt_logprobs": prompt_logprobs
+            if prompt_logprobs is not None
+            else self.prompt_logprobs,
         }
         # Only pass what the client set, so SamplingParams' own defaults apply otherwise.
         for name in (
@@ -123,15 +155,27 @@ class CompletionRequest(_SamplingFields, StructuredOutputFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    # OpenAI's default is 16 tokens (vLLM's too).
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # OpenAI's default is 16 tokens (vLLM's too); 0 only with echo (the prompt alone).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
+    best_of: int | None = None
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """echo with max_tokens=0: the answer is the prompt (one token is generated and
+        dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
         """Turn the request into `SamplingParams` (ValueError names a bad field)."""
-        return self._sampling_params(self.max_tokens, self.logprobs, output_kind)
+        max_tokens = 1 if self.echo_without_generation else self.max_tokens
+        # echo with logprobs returns the prompt's logprobs too (OpenAI's, vLLM's answer).
+        prompt_logprobs = None
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+        return self._sampling_params(max_tokens, self.logprobs, output_kind, prompt_logprobs)
 
 
 class CompletionLogProbs(BaseModel):
@@ -141,12 +185,25 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in `prompt_logprobs` (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# None for the first prompt token, then token id -> its logprob, per prompt token.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -184,7 +241,28 @@ class ChatMessage(OpenAIBaseModel):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields, StructuredOutputFields, ToolFields):
+class _UnsupportedChatFields(OpenAIBaseModel):
+    """OpenAI chat fields this server cannot honour: declared so that a request that
+    sets one gets a 400 naming it (`unsupported_fields`) instead of a silent answer."""
+
+    audio: Any | None = None
+    modalities: list[str] | None = None
+    prediction: Any | None = None
+    web_search_options: Any | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields set that change what OpenAI would answer."""
+        names = [
+            n for n in ("audio", "prediction", "web_search_options") if getattr(self, n) is not None
+        ]
+        if self.modalities is not None and self.modalities != ["text"]:
+            names.append("modalities")
+        return names
+
+
+class ChatCompletionRequest(
+    _SamplingFields, StructuredOutputFields, ToolFields, _UnsupportedChatFields
+):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -238,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -11,6 +11,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from decodegraph.engine.async_llm import AsyncLLM, EngineDeadError
 from decodegraph.entrypoints.openai.chat_tools import ChatTools, template_tool_fields
+from decodegraph.entrypoints.openai.logprobs import LogprobFormatter, prompt_logprobs_field
 from decodegraph.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -18,9 +19,7 @@ from decodegraph.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatLogprobToken,
     ChatResponseMessage,
-    ChatTopLogprob,
     DeltaMessage,
     UsageInfo,
     random_uuid,
@@ -29,6 +28,8 @@ from decodegraph.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIError,
     OpenAIServing,
+    check_stream_options,
+    continuous_usage,
     error_body,
     merge_streams,
     sse,
@@ -80,11 +81,16 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         if request.top_logprobs and not request.logprobs:
             raise OpenAIError("top_logprobs: requires logprobs to be true", 400, "top_logprobs")
+        check_stream_options(request.stream, request.stream_options)
+        for name in request.unsupported_fields():
+            raise OpenAIError(f"{name}: is not supported by this server", 400, name)
         tools = ChatTools(request, self.enable_auto_tools, self.tool_parser)
         prompt = self._render(request, tools.template_tools())
         params = self.build_params(request.to_sampling_params, RequestOutputKind.DELTA)
         spec = tools.structured_outputs() or self.build_params(structured_outputs_of, request)
         await attach_structured_outputs(self.async_llm.engine, params, spec)
+        prompt = self.tokenize(prompt)
+        self.check_max_tokens(request.max_completion_tokens or request.max_tokens, prompt)
         request_id = f"chatcmpl-{random_uuid()}"
         streams = await self.submit(request_id, [prompt], params)
         outputs = merge_streams(streams)
@@ -111,7 +117,10 @@ class OpenAIServingChat(OpenAIServing):
                 content = "\n".join(parts)
             else:
                 content = m.content or ""
-            messages.append({"role": m.role, "content": content, **template_tool_fields(m)})
+            message = {"role": m.role, "content": content, **template_tool_fields(m)}
+            if m.name is not None:
+                message["name"] = m.name  # for templates that render it (vLLM passes it)
+            messages.append(message)
         try:
             return self.async_llm.engine.apply_chat_template(
                 messages,
@@ -130,33 +139,12 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # noqa: BLE001 - Jinja errors (raise_exception, bad roles)
             raise OpenAIError(f"messages: the chat template failed: {e}", 400, "messages") from None
 
-    def _logprobs(self, c: CompletionOutput, top_n: int) -> ChatChoiceLogprobs | None:
+    def _logprobs(
+        self, c: CompletionOutput, top_n: int, fmt: LogprobFormatter
+    ) -> ChatChoiceLogprobs | None:
         if c.logprobs is None:
             return None
-        content = []
-        for token_id, top in zip(c.token_ids, c.logprobs, strict=False):
-            sampled = top.get(token_id)
-            text = self.token_text(token_id, sampled)
-            ranked = sorted(
-                top.items(),
-                key=lambda kv: (kv[1].rank if kv[1].rank is not None else 0, -kv[1].logprob),
-            )[:top_n]
-            content.append(
-                ChatLogprobToken(
-                    token=text,
-                    logprob=sampled.logprob if sampled is not None else float("-inf"),
-                    bytes=list(text.encode()),
-                    top_logprobs=[
-                        ChatTopLogprob(
-                            token=(t := self.token_text(tid, lp)),
-                            logprob=lp.logprob,
-                            bytes=list(t.encode()),
-                        )
-                        for tid, lp in ranked
-                    ],
-                )
-            )
-        return ChatChoiceLogprobs(content=content)
+        return ChatChoiceLogprobs(content=fmt.chat_content(c.token_ids, c.logprobs, top_n))
 
     async def _full(
         self,
@@ -172,13 +160,17 @@ class OpenAIServingChat(OpenAIServing):
         num_tokens = [0] * n
         prompt_tokens = 0
         top_n = request.top_logprobs or 0
+        fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
+        prompt_logprobs = None
         try:
             async for _, out in outputs:
                 prompt_tokens = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None and prompt_logprobs is None:
+                    prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs)
                 for c in out.outputs:
                     texts[c.index] += c.text
                     num_tokens[c.index] += len(c.token_ids)
-                    new = self._logprobs(c, top_n)
+                    new = self._logprobs(c, top_n, fmt)
                     if new is not None:
                         if lps[c.index] is None:
                             lps[c.index] = ChatChoiceLogprobs(content=[])
@@ -209,6 +201,7 @@ class OpenAIServingChat(OpenAIServing):
                 completion_tokens=completion_tokens,
                 total_tokens=prompt_tokens + completion_tokens,
             ),
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def _stream(
@@ -220,6 +213,8 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = int(time.time())
         top_n = request.top_logprobs or 0
+        fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
+        every_chunk_usage = continuous_usage(request.stream_options)
 
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(
@@ -263,11 +258,20 @@ class OpenAIServingChat(OpenAIServing):
                                 delta=DeltaMessage(
                                     content=delta.content, tool_calls=delta.tool_calls
                                 ),
-                                logprobs=self._logprobs(c, top_n) if request.logprobs else None,
+                                logprobs=self._logprobs(c, top_n, fmt)
+                                if request.logprobs
+                                else None,
                                 finish_reason=finish_reason,
                                 stop_reason=c.stop_reason,
                             )
-                        ]
+                        ],
+                        UsageInfo(
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens,
+                        )
+                        if every_chunk_usage
+                        else None,
                     )
         except EngineDeadError as e:
             yield sse(error_body(str(e), 503))

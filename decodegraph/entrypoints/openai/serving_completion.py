@@ -10,12 +10,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from decodegraph.engine.async_llm import EngineDeadError
+from decodegraph.entrypoints.openai.logprobs import LogprobFormatter, prompt_logprobs_field
 from decodegraph.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    PromptLogprobs,
     UsageInfo,
     random_uuid,
 )
@@ -23,6 +25,8 @@ from decodegraph.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIError,
     OpenAIServing,
+    check_stream_options,
+    continuous_usage,
     error_body,
     merge_streams,
     sse,
@@ -32,7 +36,7 @@ from decodegraph.entrypoints.openai.structured_outputs import (
     attach_structured_outputs,
     structured_outputs_of,
 )
-from decodegraph.outputs import CompletionOutput, RequestOutput
+from decodegraph.outputs import CompletionOutput, Logprob, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind
 
 
@@ -49,6 +53,7 @@ class _Choice:
     stop_reason: int | str | None = None
     started: bool = False
     token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -58,17 +63,17 @@ class OpenAIServingCompletion(OpenAIServing):
         """Validate, submit one engine request per prompt, answer plain or streamed."""
         self.check_model(request.model)
         prompts = self._prompts(request.prompt)
-        if request.suffix:
-            raise OpenAIError("suffix: is not supported", 400, "suffix")
-        if request.echo and request.logprobs is not None:
-            raise OpenAIError(
-                "echo: prompt logprobs (echo with logprobs) are not supported", 400, "echo"
-            )
+        check_unsupported(request)
+        check_stream_options(request.stream, request.stream_options)
         params = self.build_params(request.to_sampling_params, RequestOutputKind.DELTA)
         spec = self.build_params(structured_outputs_of, request)
         await attach_structured_outputs(self.async_llm.engine, params, spec)
+        inputs = [self.tokenize(p) for p in prompts]
+        if not request.echo_without_generation:
+            for prompt in inputs:
+                self.check_max_tokens(request.max_tokens, prompt)
         request_id = f"cmpl-{random_uuid()}"
-        streams = await self.submit(request_id, prompts, params)
+        streams = await self.submit(request_id, inputs, params)
         outputs = merge_streams(streams)
         if request.stream:
             return StreamingResponse(
@@ -90,27 +95,20 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError("prompt: a token id list must not be empty", 400, "prompt")
         return list(prompt)
 
-    def _echo_text(self, prompt: str | list[int], out: RequestOutput) -> str:
+    def _echo_text(
+        self, prompt: str | list[int], out: RequestOutput, request: CompletionRequest
+    ) -> str:
         if isinstance(prompt, str):
             return prompt
         if out.prompt is not None:
             return out.prompt
-        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer else ""
-
-    def _add_logprobs(self, choice: _Choice, c: CompletionOutput) -> None:
-        if c.logprobs is None:
-            return
-        if choice.logprobs is None:
-            choice.logprobs = CompletionLogProbs()
-        lp = choice.logprobs
-        for token_id, top in zip(c.token_ids, c.logprobs, strict=False):
-            sampled = top.get(token_id)
-            text = self.token_text(token_id, sampled)
-            lp.tokens.append(text)
-            lp.token_logprobs.append(sampled.logprob if sampled is not None else None)
-            lp.top_logprobs.append({self.token_text(t, v): v.logprob for t, v in top.items()})
-            lp.text_offset.append(choice.offset)
-            choice.offset += len(text)
+        if self.tokenizer is None:
+            return ""
+        # Rendered as generated text is (special tokens skipped by default), so that the
+        # prompt's logprob tokens concatenate to it.
+        return self.tokenizer.decode(
+            out.prompt_token_ids, skip_special_tokens=request.skip_special_tokens
+        )
 
     def _update(
         self,
@@ -118,19 +116,45 @@ class OpenAIServingCompletion(OpenAIServing):
         c: CompletionOutput,
         prompt: str | list[int],
         out: RequestOutput,
-        echo: bool,
+        request: CompletionRequest,
+        fmt: LogprobFormatter,
+        prompt_lps: list[dict[int, Logprob] | None] | None,
     ) -> str:
-        """Fold one delta into a choice; return the text this delta adds."""
+        """Fold one delta into a choice; return the text this delta adds. `prompt_lps`
+        are the prompt's logprobs once known (a DELTA request sends them once, possibly
+        before this choice's first output)."""
+        num_top = request.logprobs or 0
         delta = c.text
         if not choice.started:
             choice.started = True
-            if echo:
-                delta = self._echo_text(prompt, out) + delta
-                choice.offset = len(delta) - len(c.text)
-        choice.text += delta
+            if request.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_field(prompt_lps)
+            if request.echo:
+                echo_text = self._echo_text(prompt, out, request)
+                if request.logprobs is not None and prompt_lps is not None:
+                    choice.logprobs = CompletionLogProbs()
+                    fmt.extend_completion(
+                        choice.logprobs,
+                        out.prompt_token_ids,
+                        prompt_lps,
+                        num_top,
+                        0,
+                    )
+                delta = echo_text + delta
+                choice.offset = len(echo_text)
         choice.num_tokens += len(c.token_ids)
-        choice.token_ids.extend(c.token_ids)
-        self._add_logprobs(choice, c)
+        if request.echo_without_generation:
+            # The prompt is the answer; the one token generated to get there is dropped.
+            delta = delta[: len(delta) - len(c.text)]
+        else:
+            choice.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                if choice.logprobs is None:
+                    choice.logprobs = CompletionLogProbs()
+                choice.offset = fmt.extend_completion(
+                    choice.logprobs, c.token_ids, c.logprobs, num_top, choice.offset
+                )
+        choice.text += delta
         if c.finish_reason is not None:
             choice.finish_reason = c.finish_reason
             choice.stop_reason = c.stop_reason
@@ -144,13 +168,19 @@ class OpenAIServingCompletion(OpenAIServing):
         outputs: AsyncIterator[tuple[int, RequestOutput]],
     ) -> CompletionResponse:
         n = request.n
+        fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_tokens = [0] * len(prompts)
+        prompt_lps: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompts)
         try:
             async for i, out in outputs:
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
-                    self._update(choices[i * n + c.index], c, prompts[i], out, request.echo)
+                    self._update(
+                        choices[i * n + c.index], c, prompts[i], out, request, fmt, prompt_lps[i]
+                    )
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503) from None
         completion_tokens = sum(ch.num_tokens for ch in choices)
@@ -164,6 +194,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=ch.logprobs,
                     finish_reason=ch.finish_reason,
                     stop_reason=ch.stop_reason,
+                    prompt_logprobs=ch.prompt_logprobs,
                 )
                 for k, ch in enumerate(choices)
             ],
@@ -183,16 +214,22 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         n = request.n
         created = int(time.time())
+        fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
+        every_chunk_usage = continuous_usage(request.stream_options)
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_tokens = [0] * len(prompts)
+        prompt_lps: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompts)
         try:
             async for i, out in outputs:
                 prompt_tokens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 for c in out.outputs:
                     k = i * n + c.index
                     choice = choices[k]
                     num_lp = len(choice.logprobs.tokens) if choice.logprobs else 0
-                    delta = self._update(choice, c, prompts[i], out, request.echo)
+                    first = not choice.started
+                    delta = self._update(choice, c, prompts[i], out, request, fmt, prompt_lps[i])
                     if not delta and not c.token_ids and c.finish_reason is None:
                         continue
                     logprobs = None
@@ -216,8 +253,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                     logprobs=logprobs,
                                     finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason,
+                                    prompt_logprobs=choice.prompt_logprobs if first else None,
                                 )
                             ],
+                            usage=_usage(prompt_tokens, choices) if every_chunk_usage else None,
                         )
                     )
         except EngineDeadError as e:
@@ -228,18 +267,37 @@ class OpenAIServingCompletion(OpenAIServing):
             await outputs.aclose()
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         if include_usage:
-            completion_tokens = sum(ch.num_tokens for ch in choices)
             yield sse(
                 CompletionStreamResponse(
                     id=request_id,
                     created=created,
                     model=self.model_name,
                     choices=[],
-                    usage=UsageInfo(
-                        prompt_tokens=sum(prompt_tokens),
-                        completion_tokens=completion_tokens,
-                        total_tokens=sum(prompt_tokens) + completion_tokens,
-                    ),
+                    usage=_usage(prompt_tokens, choices),
                 )
             )
         yield SSE_DONE
+
+
+def _usage(prompt_tokens: list[int], choices: list[_Choice]) -> UsageInfo:
+    completion_tokens = sum(ch.num_tokens for ch in choices)
+    return UsageInfo(
+        prompt_tokens=sum(prompt_tokens),
+        completion_tokens=completion_tokens,
+        total_tokens=sum(prompt_tokens) + completion_tokens,
+    )
+
+
+def check_unsupported(request: CompletionRequest) -> None:
+    """A 400 naming each field that is set but that this server cannot honour, rather
+    than an answer that silently ignores it."""
+    if request.suffix:
+        raise OpenAIError("suffix: is not supported", 400, "suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise OpenAIError(
+            f"best_of: only best_of equal to n ({request.n}) is supported, got {request.best_of}",
+            400,
+            "best_of",
+        )
+    if request.max_tokens == 0 and not request.echo:
+        raise OpenAIError("max_tokens: must be >= 1 (0 only with echo)", 400, "max_tokens")

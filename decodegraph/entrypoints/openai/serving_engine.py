@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from decodegraph.engine.async_llm import AsyncLLM, EngineDeadError
-from decodegraph.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from decodegraph.entrypoints.openai.logprobs import LogprobFormatter
+from decodegraph.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, StreamOptions
 from decodegraph.outputs import Logprob, RequestOutput
 from decodegraph.sampling_params import SamplingParams
 
@@ -49,6 +50,11 @@ class OpenAIError(Exception):
         return cls(message, 400, match.group(1) if match else None)
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready (its requests are aborted);
+    the server logs one line for it and sends nothing."""
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error body as a dict."""
     info = ErrorInfo(
@@ -76,6 +82,10 @@ SSE_DONE = "data: [DONE]\n\n"
 
 class OpenAIServing:
     """Base of the endpoint handlers: one served model on one `AsyncLLM`."""
+
+    # --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless a request
+    # says otherwise.
+    return_tokens_as_token_ids: bool = False
 
     def __init__(self, async_llm: AsyncLLM, served_model_names: list[str]) -> None:
         self.async_llm = async_llm
@@ -118,6 +128,40 @@ class OpenAIServing:
             raise
         return streams
 
+    def tokenize(self, prompt: str | list[int]) -> str | dict[str, Any]:
+        """A text prompt with its token ids (the engine then does not tokenize it
+        again); token ids, or text without a tokenizer, as given."""
+        if isinstance(prompt, str) and self.tokenizer is not None:
+            return {"prompt": prompt, "prompt_token_ids": self.tokenizer.encode(prompt)}
+        return prompt
+
+    def check_max_tokens(self, max_tokens: int | None, prompt: str | list[int] | dict) -> None:
+        """vLLM's 400 when the prompt and `max_tokens` together pass the context
+        (rather than clamping the completion). A prompt that alone is too long gets the
+        engine's own 400."""
+        if max_tokens is None:
+            return
+        if isinstance(prompt, dict):
+            prompt = prompt["prompt_token_ids"]
+        if not isinstance(prompt, list):
+            return
+        n, limit = len(prompt), self.max_model_len
+        if n < limit and max_tokens > limit - n:
+            raise OpenAIError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{n} input tokens ({max_tokens} > {limit} - {n}).",
+                400,
+                "max_tokens",
+            )
+
+    def logprob_formatter(self, return_tokens_as_token_ids: bool | None) -> LogprobFormatter:
+        """How this request's logprob tokens are written (the flag, or the request's)."""
+        as_ids = return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.return_tokens_as_token_ids
+        return LogprobFormatter(self.tokenizer, as_ids)
+
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         """A token's text for logprobs: the engine's decoding, else the tokenizer's."""
         if logprob is not None and logprob.decoded_token is not None:
@@ -125,6 +169,19 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+
+def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
+    """stream_options only mean something for a streamed answer (vLLM's 400)."""
+    if options is not None and not stream:
+        raise OpenAIError(
+            "stream_options: can only be set when stream is true", 400, "stream_options"
+        )
+
+
+def continuous_usage(options: StreamOptions | None) -> bool:
+    """Every chunk carries the usage so far (include_usage and continuous_usage_stats)."""
+    return bool(options is not None and options.include_usage and options.continuous_usage_stats)
 
 
 async def merge_streams(
@@ -187,5 +244,5 @@ async def until_disconnect(raw_request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(work_task, return_exceptions=True)
     if work_task.cancelled():
         # The client is gone; nothing will read the response.
-        raise asyncio.CancelledError
+        raise ClientDisconnected(raw_request.url.path)
     return work_task.result()
