@@ -94,7 +94,7 @@ class CudaPlatform(Platform):
 
     @property
     def default_attention_backend(self) -> str:  # type: ignore[override]
-        """TRITON_ATTN (one kernel per layer, full graphs for any batch) where triton is
+        """TRITON_ATTN (split-KV decode, full graphs for any batch) where triton is
         installed; else the torch-op fallback, graph-safe for uniform decode only."""
         return "TRITON_ATTN" if importlib.util.find_spec("triton") is not None else "CUDA_TORCH"
 

@@ -460,3 +460,12 @@ else:
         backend.set_eager_metadata(make_case(backend, [(0, 1)]).metadata)
         bound = backend.graph_tensors(EAGER_PARAMS_ID)
         assert all(any(t is b for b in bound) for t in parts)
+
+    def test_the_kv_budget_reserves_megabytes_at_default_settings() -> None:
+        """Llama-3.2-1B at vLLM's defaults (max_model_len 131072, 256 sequences): the
+        budget once reserved a 64 GiB gather workspace this backend never allocates."""
+        backend = TritonAttentionBackend(32, 8, 64, 0.125, 16, 131072)
+        declared = backend.workspace_bytes(256, torch.bfloat16)
+        # 512 programs over 8 KV heads: 64 (token, segment) rows of fp32 partials.
+        assert declared == 4 * 64 * 32 * (64 + 2)
+        assert declared == backend.workspace_bytes(1, torch.bfloat16) < 8 << 20
