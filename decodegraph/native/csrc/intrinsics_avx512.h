@@ -1,18 +1,61 @@
-/*
- * The AVX-512 path of paged_attention.c (included there, inside its extern "C" unit):
- * block sizes that are multiples of 16, float32 or bfloat16 caches, laid out as that
- * file's top comment says.
- */
-#ifndef DECODEGRAPH_PAGED_ATTENTION_AVX512_H
-#define DECODEGRAPH_PAGED_ATTENTION_AVX512_H
+// The hand-written AVX-512 intrinsics the kernels had before vec.h's Vec, kept beside
+// them for one comparison (benchmarks/bench_kernels.py, DECODEGRAPH_CPU_INTRINSICS=1 in
+// an AVX-512 build): attention at block sizes that are multiples of 16, silu_and_mul and
+// rotary_embedding. Not built into any other variant.
+#ifndef DECODEGRAPH_INTRINSICS_AVX512_H
+#define DECODEGRAPH_INTRINSICS_AVX512_H
 
-#include <float.h>
-#include <stdint.h>
+#include <cfloat>
+#include <cstdint>
+#include <cstdlib>
 
-#include "bf16.h"
 #include "vec.h"
 
-#if DECODEGRAPH_X86
+namespace decodegraph {
+
+inline bool use_intrinsics() {
+#if defined(CPU_CAPABILITY_AVX512)
+    static const bool on = [] {
+        const char* v = std::getenv("DECODEGRAPH_CPU_INTRINSICS");
+        return v && v[0] == '1';
+    }();
+    return on;
+#else
+    return false;
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+namespace intrinsics {
+
+#define AVX512 __attribute__((always_inline)) static inline
+
+/* exp(x), 16 lanes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6
+ * (relative error ~1e-7). x is clamped to [-87, 88]: ~0 below rather than denormals,
+ * ~1.7e38 above rather than infinity. */
+AVX512 __m512 exp16(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* A mask of the first min(n, 16) of 16 lanes (n >= 0): a row's last, partial vector. */
+static inline __mmask16 first_lanes(int64_t n)
+{
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
 /* Attention in AVX-512 for block sizes that are multiples of 16, for the G query heads
  * that share one KV head (grouped-query attention): each K and V row is loaded once for
  * all of them. Sixteen positions of a tile row are one register (a block of bs positions
@@ -202,7 +245,7 @@ AVX512 void attend_group_avx512(const float *q, const void *k_cache, const void 
  * heads, in groups of at most MAX_GROUP_ACC / d heads (all of them, for every model we
  * know). float32 shapes we know get constant d and G, at block size 16 and at any other.
  * bf16 rows are converted to float32 per group, and the output rounded back. */
-__attribute__((target("avx512f"))) static void attend_request_avx512(
+static void attend_request_avx512(
     const void *q, const void *k_cache, const void *v_cache, const int32_t *bt, int64_t start,
     int64_t len, int64_t tile_stride, int64_t num_heads, int64_t g, int64_t d, int64_t bs,
     float scale, float softcap, float *sc, int64_t sc_stride, void *o_row, int bf16)
@@ -258,6 +301,81 @@ __attribute__((target("avx512f"))) static void attend_request_avx512(
     }
 }
 
-#endif /* DECODEGRAPH_X86 */
+static void silu_and_mul_avx512(float *out, const float *x,
+                                                                    int64_t rows, int64_t d,
+                                                                    int64_t x_row)
+{
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = x + t * x_row, *up = gate + d;
+        float *o = out + t * d;
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 live = first_lanes(d - i);
+            const __m512 g = _mm512_maskz_loadu_ps(live, gate + i);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+            _mm512_mask_storeu_ps(o + i, live, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(live, up + i)));
+        }
+    }
+}
+
+/* 16 lanes at a time, the same two products and one sum per value (fp-contract off: no
+ * fused multiply-add), for rows whose heads lie back to back (x_head == d):
+ * - d dividing 16 (2, 4, 8, 16): a vector holds 16 / d whole heads; the rotated
+ *   operand is the same vector with each head's halves swapped (one permute), and the
+ *   cos/sin vectors repeat the row's d values;
+ * - half a multiple of 16 (d = 32, 64, 96, 128, ...): the two halves of a head, 16
+ *   lanes at a time. */
+static void rotary_avx512(
+    float *out, const float *x, const float *cos, const float *sin, int64_t rows,
+    int64_t heads, int64_t d, int64_t x_row, int64_t cs_row)
+{
+    const int64_t half = d / 2, n = heads * d;
+    if (16 % d == 0) {
+        int32_t perm[16], rep[16];
+        for (int l = 0; l < 16; l++) {
+            perm[l] = (int32_t)(l / d * d + (l % d + half) % d);
+            rep[l] = (int32_t)(l % d);
+        }
+        const __m512i p = _mm512_loadu_si512(perm), r = _mm512_loadu_si512(rep);
+        const __mmask16 row = first_lanes(d);
+        for (int64_t t = 0; t < rows; t++) {
+            const __m512 c = _mm512_permutexvar_ps(r, _mm512_maskz_loadu_ps(row, cos + t * cs_row));
+            const __m512 s = _mm512_permutexvar_ps(r, _mm512_maskz_loadu_ps(row, sin + t * cs_row));
+            const float *xr = x + t * x_row;
+            float *o = out + t * n;
+            for (int64_t i = 0; i < n; i += 16) {
+                const __mmask16 live = first_lanes(n - i);
+                const __m512 v = _mm512_maskz_loadu_ps(live, xr + i);
+                const __m512 a = _mm512_mul_ps(v, c);
+                const __m512 b = _mm512_mul_ps(_mm512_permutexvar_ps(p, v), s);
+                _mm512_mask_storeu_ps(o + i, live, _mm512_add_ps(a, b));
+            }
+        }
+        return;
+    }
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * cs_row, *s = sin + t * cs_row;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * x_row + h * d;
+            float *o = out + (t * heads + h) * d;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m512 lo = _mm512_loadu_ps(xh + i), hi = _mm512_loadu_ps(xh + i + half);
+                _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(c + i)),
+                                                      _mm512_mul_ps(hi, _mm512_loadu_ps(s + i))));
+                _mm512_storeu_ps(o + i + half,
+                                 _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(c + i + half)),
+                                               _mm512_mul_ps(lo, _mm512_loadu_ps(s + i + half))));
+            }
+        }
+    }
+}
+
+#undef AVX512
+
+}  // namespace intrinsics
+#endif
+
+}  // namespace decodegraph
 
 #endif
