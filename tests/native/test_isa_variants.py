@@ -5,8 +5,13 @@ the kernel tests again in a child process with its own build (cached like the fi
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+import torch
 
 from decodegraph import native
 from tests.utils.native import KERNEL_SELECTOR, KERNEL_TESTS, pytest_with_isa
@@ -48,3 +53,38 @@ def test_the_kernels_match_their_references_on_a_narrower_isa(cpu_ops: object, i
     proc = pytest_with_isa(isa, files, f"{KERNEL_SELECTOR} or requested_isa")
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+_ARM_UNIT = """
+#include "activation.h"
+#include "paged_attention.h"
+#include "rms_norm.h"
+#include "rotary_embedding.h"
+void touch(float* o, const float* x, const float* w, const decodegraph::paged_attention_step* a,
+           float* work) {
+    decodegraph::silu_and_mul_f32(o, x, 2, 64, 128);
+    decodegraph::rms_norm_f32(o, x, w, 2, 64, 64, 1e-5f);
+    decodegraph::fused_add_rms_norm_f32(o, o, x, x, w, 2, 64, 64, 64, 1e-5f);
+    decodegraph::rotary_embedding_f32(o, x, w, w, 2, 4, 8, 32, 8, 8);
+    decodegraph::paged_attention_begin(a);
+    decodegraph::paged_attention_requests(a, 0, 1, work);
+}
+"""
+
+
+@pytest.mark.skipif(not shutil.which("aarch64-linux-gnu-g++"), reason="no aarch64 cross compiler")
+def test_the_kernels_compile_to_neon_with_the_fpcr_flush_for_aarch64(tmp_path: Path) -> None:
+    """Where a cross compiler is at hand (apt's g++-aarch64-linux-gnu): the kernels (not
+    the torch registration, which needs an aarch64 libtorch) compile for ARM, with NEON
+    multiply-adds and the FPCR.FZ flush."""
+    unit, obj = tmp_path / "unit.cpp", tmp_path / "unit.o"
+    unit.write_text(_ARM_UNIT)
+    include = Path(torch.__file__).parent / "include"
+    flags = [*native._BASE_FLAGS, "-march=armv8.2-a", "-DCPU_CAPABILITY=dg_neon", "-std=c++20"]
+    cmd = ["aarch64-linux-gnu-g++", *flags, "-I", str(native._CSRC), "-isystem", str(include)]
+    subprocess.run([*cmd, "-c", str(unit), "-o", str(obj)], check=True, timeout=300)
+    asm = subprocess.run(
+        ["aarch64-linux-gnu-objdump", "-d", str(obj)], capture_output=True, text=True, check=True
+    ).stdout
+    assert re.search(r"fmla\s+v\d+\.4s", asm), "no NEON multiply-add"
+    assert re.search(r"msr\s+fpcr", asm), "no FPCR write"
