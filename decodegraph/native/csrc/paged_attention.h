@@ -36,6 +36,7 @@
 #ifndef DECODEGRAPH_PAGED_ATTENTION_H
 #define DECODEGRAPH_PAGED_ATTENTION_H
 
+#include <array>
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
@@ -119,6 +120,18 @@ inline Vec soft_cap(const Vec& x, float cap) {
         return round_bf16(round_bf16(tanh(round_bf16(x / c))) * c);
 }
 
+// On the lambdas of a kernel's loops: inlined, so that their captures are the kernel's
+// own locals (an out-of-line call reloads each captured pointer after every vector store:
+// vector types may alias anything).
+#define DG_INLINE __attribute__((always_inline))
+
+// N vectors of storage, none constructed: each is written before it is read.
+template <int64_t N>
+struct Uninitialized {
+    alignas(Vec) unsigned char raw[N * sizeof(Vec)];
+    Vec& operator[](int64_t i) { return reinterpret_cast<Vec*>(raw)[i]; }
+};
+
 // The G query heads that share one KV head (grouped-query attention), in two passes over
 // the context: every scaled score and its maximum, then the exp-weighted sums of V (no
 // running rescale). Each K and V vector is loaded once for all G heads; the maxima and
@@ -140,14 +153,21 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
     const KV *kc = static_cast<const KV*>(k_cache), *vc = static_cast<const KV*>(v_cache);
     // The first block the window reaches, and its first position.
     const int64_t b0 = start / bs, first = b0 * bs;
-    Vec acc[kMaxGroupAcc], m[kMaxGroup], l[kMaxGroup], s[kMaxGroup], total[kMaxGroup];
+    // Exactly G * D accumulators where both are constants (registers); otherwise room for
+    // the largest group, left unconstructed (Vec's constructor stores a zero).
+    using Acc = std::conditional_t<D && G, std::array<Vec, (D && G ? D * G : 1)>,
+                                   Uninitialized<kMaxGroupAcc>>;
+    using PerHead = std::conditional_t<G != 0, std::array<Vec, (G ? G : 1)>,
+                                       Uninitialized<kMaxGroup>>;
+    Acc acc;
+    PerHead m, l, s, total;
     for (int64_t j = 0; j < g; j++) {
         m[j] = Vec(-FLT_MAX);
         l[j] = Vec(0.f);
     }
     // fn(full, p, c, lo, n) for each vector of positions p = p0 + c of block b (c: its
     // offset in the block) from the window's start to len; `full` a std::bool_constant.
-    auto for_vectors = [&](auto&& fn) {
+    auto for_vectors = [&](auto&& fn) DG_INLINE {
         for (int64_t b = b0, p0 = first; p0 < len; b++, p0 += bs) {
             for (int64_t c = 0; c < bs && p0 + c < len; c += kLanes) {
                 const int64_t p = p0 + c, lo = start > p ? start - p : 0;
@@ -161,7 +181,7 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
             }
         }
     };
-    for_vectors([&](auto full, int64_t tile, int64_t p, int64_t lo, int64_t n) {
+    for_vectors([&](auto full, int64_t tile, int64_t p, int64_t lo, int64_t n) DG_INLINE {
         constexpr bool F = decltype(full)::value;
         for (int64_t j = 0; j < g; j++)
             s[j] = Vec(0.f);
@@ -181,7 +201,7 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
                 x = Vec::blendv(Vec(-FLT_MAX), x, lanes(lo, n));
                 x.store(out, n);
             }
-            m[j] = at::vec::maximum(m[j], x);
+            m[j] = at::vec::clamp_min(m[j], x);  // max without maximum's NaN test
         }
     });
     for (int64_t j = 0; j < g; j++)
@@ -204,7 +224,7 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
     }
     for (int64_t i = 0; i < g * d; i++)
         acc[i] = Vec(0.f);
-    for_vectors([&](auto full, int64_t tile, int64_t p, int64_t lo, int64_t n) {
+    for_vectors([&](auto full, int64_t tile, int64_t p, int64_t lo, int64_t n) DG_INLINE {
         constexpr bool F = decltype(full)::value;
         const Vec live = F ? Vec(0.f) : lanes(lo, n);
         for (int64_t j = 0; j < g; j++) {
@@ -226,10 +246,16 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
                 acc[j * d + i] = at::vec::fmadd(s[j], v, acc[j * d + i]);
         }
     });
+    // o[j * d + i] = (lane sum of acc[j * d + i]) / (lane sum of l[j]), a vector at a time.
+    float inv[kMaxGroupAcc];
     for (int64_t j = 0; j < g; j++) {
-        const float inv = Bf16 ? 1.f : 1.f / sum(l[j]);
+        const float inv_j = Bf16 ? 1.f : 1.f / sum(l[j]);
         for (int64_t i = 0; i < d; i++)
-            o[j * d + i] = sum(acc[j * d + i]) * inv;
+            inv[j * d + i] = inv_j;
+    }
+    for (int64_t c = 0; c < g * d; c += kLanes) {
+        const int64_t n = g * d - c < kLanes ? g * d - c : kLanes;
+        (sum_lanes(&acc[c], n) * Vec::loadu(inv + c, n)).store(o + c, n);
     }
 }
 

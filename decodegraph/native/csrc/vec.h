@@ -46,7 +46,7 @@ inline const char* vector_isa() {
 // ~1e-7). x is clamped to [-87, 88]: ~0 below rather than subnormals, ~1.7e38 above
 // rather than infinity (-ffast-math assumes no infinities).
 inline Vec exp(Vec x) {
-    x = at::vec::minimum(at::vec::maximum(x, Vec(-87.f)), Vec(88.f));
+    x = at::vec::clamp(x, Vec(-87.f), Vec(88.f));  // not minimum/maximum: they test for NaN
     const Vec n = (x * Vec(1.44269504f)).round();
     Vec r = at::vec::fmadd(n, Vec(-0.693145752f), x);
     r = at::vec::fmadd(n, Vec(-1.42860677e-6f), r);
@@ -81,7 +81,39 @@ inline float sum(const Vec& v) {
 }
 inline float max(const Vec& v) {
     return at::vec::vec_reduce_all<float>(
-        [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+        [](Vec& a, Vec& b) { return at::vec::clamp_min(a, b); }, v);
+}
+
+// out[k] = sum(v[k]) for k < n <= Vec::size(), as one vector (lanes from n on zero).
+inline Vec sum_lanes(const Vec* v, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+    // The 16 sums by a transpose-and-add (some 45 instructions for 16 reductions' 128),
+    // in the order a single reduction adds one vector's lanes (halves, quarters, pairs).
+    __m512 x[16], t[8], u[4], w[2];
+    for (int k = 0; k < 16; k++)
+        x[k] = k < n ? static_cast<__m512>(v[k]) : _mm512_setzero_ps();
+    for (int k = 0; k < 8; k++)  // lanes 0-7: x[k]'s halves added; 8-15: x[k + 8]'s
+        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[k], x[k + 8], 0x44),
+                             _mm512_shuffle_f32x4(x[k], x[k + 8], 0xEE));
+    for (int k = 0; k < 4; k++)  // quarters: x[k], x[k + 8], x[k + 4], x[k + 12]
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[k], t[k + 4], 0x88),
+                             _mm512_shuffle_f32x4(t[k], t[k + 4], 0xDD));
+    for (int k = 0; k < 2; k++)  // per quarter: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(u[k], u[k + 2]),
+                             _mm512_unpackhi_ps(u[k], u[k + 2]));
+    const __m512d a = _mm512_castps_pd(w[0]), b = _mm512_castps_pd(w[1]);
+    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    // z's lanes hold the sums of x[0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15]:
+    // a permutation that is its own inverse.
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return _mm512_permutexvar_ps(order, z);
+#else
+    __at_align__ float out[kLanes] = {};
+    for (int64_t k = 0; k < n; k++)
+        out[k] = sum(v[k]);
+    return Vec::loadu(out);
+#endif
 }
 
 // bfloat16 <-> float32, bit for bit as torch converts (round to nearest even).
@@ -106,12 +138,22 @@ inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 // The first n (1..size()) of Vec::size() bfloat16 values as float32, the rest zero.
 inline Vec load_bf16(const uint16_t* p, int64_t n) {
     using VecB = at::vec::Vectorized<c10::BFloat16>;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if (n == kLanes) {  // one load and a widening shift (VecB's count load copies on AVX2)
+        Vec v;
+        at::vec::load_fp32_from_bf16(reinterpret_cast<const c10::BFloat16*>(p), v);
+        return v;
+    }
+#endif
     return std::get<0>(at::vec::convert_bfloat16_float(VecB::loadu(p, n)));
 }
 
-// round_bf16 of every lane.
+// round_bf16 of every lane, in integer operations (f32_to_bf16's, NaN kept).
 inline Vec round_bf16(const Vec& x) {
-    return std::get<0>(at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(x, x)));
+    const VecI u = at::vec::cast<int32_t>(x);
+    const VecI r = (u + VecI(0x7fff) + ((u >> VecI(16)) & VecI(1))) & VecI(-65536);
+    const VecI nan = (u & VecI(0x7fffffff)) > VecI(0x7f800000);
+    return Vec::blendv(at::vec::cast<float>(r), x, at::vec::cast<float>(nan));
 }
 
 // Flush-to-zero (and on x86 denormals-are-zero) on the calling thread for the span of a
