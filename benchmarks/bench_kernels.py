@@ -5,9 +5,6 @@ per process: each variant runs in a worker process of its own, and the rounds al
 between the workers (one at a time, so no two compete for the cores). Variants:
 
 - avx512: the at::vec kernels built for AVX-512 (this machine's default, where it has it);
-- avx512-intrinsics: the same build with the hand-written AVX-512 intrinsics where they
-  exist (attention at block sizes that are multiples of 16, silu_and_mul, rotary;
-  DECODEGRAPH_CPU_INTRINSICS=1), when the sources still carry them;
 - avx2, scalar: the at::vec kernels built for AVX2, or the portable loops
   (DECODEGRAPH_CPU_ISA), the rest of torch unchanged;
 - avx2-machine: an AVX2-only CPU as far as software can tell: ATEN_CPU_CAPABILITY=avx2
@@ -42,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Environment of each variant's worker (on top of the parent's).
 VARIANTS: dict[str, dict[str, str]] = {
     "avx512": {"DECODEGRAPH_CPU_ISA": "avx512"},
-    "avx512-intrinsics": {"DECODEGRAPH_CPU_ISA": "avx512", "DECODEGRAPH_CPU_INTRINSICS": "1"},
     "avx2": {"DECODEGRAPH_CPU_ISA": "avx2"},
     "scalar": {"DECODEGRAPH_CPU_ISA": "scalar"},
     "avx2-machine": {
@@ -227,14 +223,8 @@ def main() -> None:
 
     from decodegraph.benchmarks.common import write_json
 
-    variants = list(args.variants)
-    if (
-        "avx512-intrinsics" in variants
-        and not (ROOT / "decodegraph/native/csrc/intrinsics_avx512.h").exists()
-    ):
-        variants.remove("avx512-intrinsics")  # the sources no longer carry them
     workers = []
-    for name in variants:
+    for name in args.variants:
         start = time.perf_counter()
         w = Worker(name, args, not args.skip_kernels, not args.skip_e2e)
         print(

@@ -1,15 +1,15 @@
 """decodegraph's CPU operators, built from C/C++ on first use (vLLM's csrc, for CPU).
 
 - `decodegraph_cpu::paged_attention`: a layer's attention for any batch (decodes,
-  prefills, chunks) in one operator (the C kernel in csrc/paged_attention.c). No library
+  prefills, chunks) in one operator (the kernel in csrc/paged_attention.h). No library
   ships a paged attention for CPU that we could depend on; at batch 1 a dozen small
   tensor ops per layer (or a Python-level op) cost more than the attention itself, and
   a prefill of 256 short prompts paid one attention call per request and layer.
 - `decodegraph_cpu::rms_norm` and `fused_add_rms_norm` (vLLM's names): RMSNorm in one
-  pass per row (csrc/rms_norm.c); torch's CPU rms_norm is five to seven ops, two of them
+  pass per row (csrc/rms_norm.h); torch's CPU rms_norm is five to seven ops, two of them
   copies, a large share of an eager step at batch 256 (docs/performance.md).
-- `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.c, bit for bit the
-  tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.c): one pass each
+- `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.h, bit for bit the
+  tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.h): one pass each
   instead of five and three ops per layer.
 
 csrc/cpu_ops.cpp registers them. Each kernel is written once against torch's

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 
-#include "intrinsics_avx512.h"
 #include "vec.h"
 
 namespace decodegraph {
@@ -20,12 +19,6 @@ inline Vec silu_mul(const Vec& g, const Vec& u) {
 
 inline void silu_and_mul_f32(float* out, const float* x, int64_t rows, int64_t d,
                              int64_t x_row) {
-#if defined(CPU_CAPABILITY_AVX512)
-    if (use_intrinsics()) {
-        intrinsics::silu_and_mul_avx512(out, x, rows, d, x_row);
-        return;
-    }
-#endif
     for (int64_t t = 0; t < rows; t++) {
         const float *gate = x + t * x_row, *up = gate + d;
         float* o = out + t * d;

@@ -43,7 +43,6 @@
 #include <cstring>
 #include <type_traits>
 
-#include "intrinsics_avx512.h"
 #include "vec.h"
 
 namespace decodegraph {
@@ -368,7 +367,6 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
     const int64_t d = a->head_size, g = a->num_heads / a->num_kv_heads, bs = a->block_size;
     const size_t elem = a->bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t row_bytes = static_cast<size_t>(a->num_heads * d) * elem;
-    const bool intrinsics = bs % 16 == 0 && d <= 512 && use_intrinsics();
     const uint64_t fp_mode = flush_denormals();
     for (int64_t r = r0; r < r1; r++) {
         const int32_t* bt = a->block_tables + r * a->bt_stride;
@@ -381,15 +379,6 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
             const void* q = static_cast<const char*>(a->q) + t * a->q_stride * elem;
             void* o = static_cast<char*>(a->out) + t * row_bytes;
             const int64_t tile_stride = a->num_kv_heads * d * bs;
-#if defined(CPU_CAPABILITY_AVX512)
-            if (intrinsics) {
-                intrinsics::attend_request_avx512(q, a->k_cache, a->v_cache, bt, start, len,
-                                                  tile_stride, a->num_heads, g, d, bs, a->scale,
-                                                  a->softcap, work, a->max_len, o, a->bf16);
-                continue;
-            }
-#endif
-            (void)intrinsics;
             attend_row(q, o, a->k_cache, a->v_cache, bt, start, len, a->num_heads, g, d, bs,
                        tile_stride, a->scale, a->softcap, work, a->max_len, a->bf16);
         }

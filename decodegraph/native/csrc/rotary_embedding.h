@@ -17,7 +17,6 @@
 
 #include <cstdint>
 
-#include "intrinsics_avx512.h"
 #include "vec.h"
 
 namespace decodegraph {
@@ -40,12 +39,6 @@ inline void rotary_embedding_f32(float* out, const float* x, const float* cos, c
                                  int64_t rows, int64_t heads, int64_t d, int64_t x_row,
                                  int64_t x_head, int64_t cs_row) {
     const int64_t half = d / 2;
-#if defined(CPU_CAPABILITY_AVX512)
-    if (use_intrinsics() && x_head == d && (16 % d == 0 || half % 16 == 0)) {
-        intrinsics::rotary_avx512(out, x, cos, sin, rows, heads, d, x_row, cs_row);
-        return;
-    }
-#endif
     for (int64_t t = 0; t < rows; t++) {
         const float *c = cos + t * cs_row, *s = sin + t * cs_row;
         for (int64_t h = 0; h < heads; h++) {
