@@ -8,7 +8,10 @@ between the workers (one at a time, so no two compete for the cores). Variants:
 - avx2, scalar: the at::vec kernels built for AVX2, or the portable loops
   (DECODEGRAPH_CPU_ISA), the rest of torch unchanged;
 - avx2-machine: an AVX2-only CPU as far as software can tell: ATEN_CPU_CAPABILITY=avx2
-  (aten's kernels, Inductor's generated code and our build), MKL and oneDNN at AVX2.
+  (aten's kernels, Inductor's generated code and our build), MKL and oneDNN at AVX2;
+- base-avx512, base-avx2-machine (with --base-tree, a checkout of an older commit): that
+  tree's operators, the second as an AVX2-only CPU ran them (its portable loops, forced
+  with the old DECODEGRAPH_CPU_NO_AVX512=1).
 
 Per kernel: the median over --rounds rounds of the mean time of a call (after a warm-up),
 on Qwen2.5-0.5B's shapes (hidden 896, MLP 4864, 14 heads of 64 over 2 KV heads) and on
@@ -46,6 +49,11 @@ VARIANTS: dict[str, dict[str, str]] = {
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
     },
+}
+_AVX2_MACHINE = VARIANTS["avx2-machine"]
+BASE_VARIANTS = {
+    "base-avx512": {},
+    "base-avx2-machine": {**_AVX2_MACHINE, "DECODEGRAPH_CPU_NO_AVX512": "1"},
 }
 
 
@@ -137,10 +145,11 @@ def _worker(tokens: int, kernels: bool, e2e: bool) -> None:
     call seconds) or 'decode' (the decode step seconds of one batch-1 request)."""
     import torch
 
-    from decodegraph.native import cpu_isa, load_cpu_ops
+    from decodegraph.native import load_cpu_ops
 
     torch.set_num_threads(1)
     ops = load_cpu_ops()
+    isa = ops.vector_isa() if ops is not None and hasattr(ops, "vector_isa") else "base"
     calls = _kernel_calls(ops) if kernels and ops is not None else {}
     llm = None
     if e2e:
@@ -150,7 +159,7 @@ def _worker(tokens: int, kernels: bool, e2e: bool) -> None:
         from decodegraph import LLM
 
         llm = LLM(str(DEFAULT_MODEL), compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
-    print(json.dumps({"ready": True, "isa": cpu_isa()}), flush=True)
+    print(json.dumps({"ready": True, "isa": isa}), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "kernels":
@@ -170,8 +179,9 @@ class Worker:
     """One variant's worker process."""
 
     def __init__(self, name: str, args: argparse.Namespace, kernels: bool, e2e: bool) -> None:
-        env = dict(os.environ, DECODEGRAPH_CPU_THREADS="1", **VARIANTS[name])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env = dict(os.environ, DECODEGRAPH_CPU_THREADS="1", **{**VARIANTS, **BASE_VARIANTS}[name])
+        tree = args.base_tree if name in BASE_VARIANTS else str(ROOT)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
         cmd = [sys.executable, __file__, "--worker", "--tokens", str(args.tokens)]
         cmd += [] if kernels else ["--skip-kernels"]
         cmd += [] if e2e else ["--skip-e2e"]
@@ -208,7 +218,10 @@ def _rounds(workers: list[Worker], cmd: str, rounds: int) -> dict[str, list[dict
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=[*VARIANTS, *BASE_VARIANTS]
+    )
+    p.add_argument("--base-tree", help="a checkout of the commit the base-* variants run")
     p.add_argument("--rounds", type=int, default=7, help="interleaved kernel rounds")
     p.add_argument("--decode-rounds", type=int, default=8, help="interleaved decode rounds")
     p.add_argument("--tokens", type=int, default=256, help="batch-1 decode length")
@@ -223,6 +236,8 @@ def main() -> None:
 
     from decodegraph.benchmarks.common import write_json
 
+    if any(v in BASE_VARIANTS for v in args.variants) and not args.base_tree:
+        p.error("the base-* variants need --base-tree")
     workers = []
     for name in args.variants:
         start = time.perf_counter()

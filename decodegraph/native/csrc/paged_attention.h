@@ -47,9 +47,9 @@
 
 namespace decodegraph {
 
-/* Refuse metadata that would read or write outside the caches, the block table, the
- * rows or the workspace (checked before anything is written). Query ranges must be
- * ordered, within num_rows, and no longer than their request's context. */
+// Refuse metadata that would read or write outside the caches, the block table, the
+// rows or the workspace (checked before anything is written). Query ranges must be
+// ordered, within num_rows, and no longer than their request's context.
 inline int check_metadata(const int64_t *slot_mapping, const int32_t *block_tables,
                           int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
                           int64_t num_reqs, int64_t num_rows, int64_t bs, int64_t num_blocks,
@@ -75,8 +75,8 @@ inline int check_metadata(const int64_t *slot_mapping, const int32_t *block_tabl
     return 0;
 }
 
-/* Copy each new token's K/V row into its cache slot: element c = head * d + dim of the
- * row goes to tile c / d, row c % d, lane slot % block_size. `elem` bytes per value. */
+// Copy each new token's K/V row into its cache slot: element c = head * d + dim of the
+// row goes to tile c / d, row c % d, lane slot % block_size. `elem` bytes per value.
 inline void write_new_kv(char *k_cache, char *v_cache, const char *k, const char *v,
                          const int64_t *slot_mapping, int64_t num_tokens, int64_t k_stride,
                          int64_t v_stride, int64_t row, int64_t bs, int64_t tile_stride,
@@ -85,7 +85,7 @@ inline void write_new_kv(char *k_cache, char *v_cache, const char *k, const char
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t s = slot_mapping[t];
         if (s < 0)
-            continue; /* a padded row */
+            continue;  // a padded row
         const int64_t at = (s / bs) * tile_stride + s % bs;
         for (int64_t c = 0; c < row; c++) {
             memcpy(k_cache + (at + c * bs) * elem, k + (t * k_stride + c) * elem, elem);
@@ -319,8 +319,8 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
     }
 }
 
-/* One layer's attention step (see the top of this file). All tensors float32, or all
- * bfloat16 when `bf16` (head_size at most kBf16MaxHead). */
+// One layer's attention step (see the top of this file). All tensors float32, or all
+// bfloat16 when `bf16` (head_size at most kBf16MaxHead).
 struct paged_attention_step {
     const void *q, *k, *v;
     void *out, *k_cache, *v_cache;
@@ -329,16 +329,16 @@ struct paged_attention_step {
     int64_t bt_stride, num_reqs, num_rows, q_stride, k_stride, v_stride;
     int64_t num_heads, num_kv_heads, head_size, block_size;
     float scale;
-    int64_t num_blocks, bt_cols, max_len; /* max_len: context positions a workspace holds */
+    int64_t num_blocks, bt_cols, max_len;  // max_len: context positions a workspace holds
     int bf16;
-    /* Sliding window: a token sees the last `window` positions up to its own (0: all);
-     * logit soft-capping: scores become softcap * tanh(score / softcap) (0: none). */
+    // Sliding window: a token sees the last `window` positions up to its own (0: all);
+    // logit soft-capping: scores become softcap * tanh(score / softcap) (0: none).
     int64_t window;
     float softcap;
 };
 
-/* Check the step, write its new K/V into the caches and zero the padding rows of out:
- * 0, or non-zero with nothing touched (3: a bf16 head size above kBf16MaxHead). */
+// Check the step, write its new K/V into the caches and zero the padding rows of out:
+// 0, or non-zero with nothing touched (3: a bf16 head size above kBf16MaxHead).
 inline int paged_attention_begin(const paged_attention_step *a)
 {
     const int64_t d = a->head_size, kvh = a->num_kv_heads, bs = a->block_size;

@@ -18,17 +18,13 @@ namespace decodegraph {
 // The sum of squares in double: the kernels are compiled with -ffast-math, whose float
 // 1/sqrtf is an approximation; rounding once from double keeps this within float
 // rounding of torch.rms_norm (graphs trace the aten version, and must agree with eager).
+// A plain loop: -ffast-math lets the compiler vectorise it for the build's ISA, widening
+// floats to doubles in registers, which at::vec's float-to-double convert does not beat
+// (docs/performance.md).
 inline float inv_rms(const float* x, int64_t n, float eps) {
-    using VecD = at::vec::Vectorized<double>;
-    VecD lo(0.0), hi(0.0);
-    for (int64_t i = 0; i < n; i += kLanes) {
-        const Vec v = i + kLanes <= n ? Vec::loadu(x + i) : Vec::loadu(x + i, n - i);
-        const auto d = at::vec::convert<double, 2, float, 1>(at::vec::VectorizedN<float, 1>(v));
-        lo = at::vec::fmadd(d[0], d[0], lo);
-        hi = at::vec::fmadd(d[1], d[1], hi);
-    }
-    const double ss = at::vec::vec_reduce_all<double>(
-        [](VecD& a, VecD& b) { return a + b; }, lo + hi);
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        ss += static_cast<double>(x[i]) * x[i];
     return static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
 }
 
