@@ -612,14 +612,15 @@ def test_softmax_weights_below_the_normal_range_and_the_threads_fp_mode() -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_size", [8, 24, 64, 80, 128, 256])
+@pytest.mark.parametrize("head_size", [8, 24, 64, 80, 128, 256, 576])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32, 48])
 def test_the_native_operator_at_every_block_size_and_head_size(
     block_size: int, head_size: int, dtype: torch.dtype
 ) -> None:
     """The native operator at block sizes below, at, between and above its vector widths
     (4, 8 or 16 positions), and head sizes of real models (Qwen3 128, Gemma 256, 80: no
-    power of two): decodes on and across block boundaries beside a prefill chunk."""
+    power of two; 576, wider than the operator's accumulators, goes in slices): decodes
+    on and across block boundaries beside a prefill chunk."""
     require_native_op()
     num_blocks = 200 // block_size + 8
     backend = make_backend("native", 4, 2, head_size, block_size, 64, num_blocks=num_blocks)

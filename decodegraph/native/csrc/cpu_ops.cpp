@@ -132,7 +132,7 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
     TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0,
                 "paged_attention: sliding_window and logits_soft_cap must not be negative");
     const int status = paged_attention_begin(&step);
-    TORCH_CHECK(status != 3, "paged_attention: bfloat16 head size above 512");
+    TORCH_CHECK(status != 3, "paged_attention: head size above 4096");
     TORCH_CHECK(status == 0, "paged_attention: a slot, block id, sequence length or query range "
                 "is outside the KV cache, the block table, the rows or the workspace");
     const std::vector<int64_t> bounds = split_requests(step, workspace.size(0));

@@ -95,8 +95,9 @@ inline void write_new_kv(char *k_cache, char *v_cache, const char *k, const char
 }
 
 // At most this many accumulators (query heads x head size) per group: a KV head's query
-// heads go in groups of at most kMaxGroupAcc / d (all of them, for every model we know).
-constexpr int64_t kMaxGroupAcc = 512, kMaxGroup = 64, kBf16MaxHead = 512;
+// heads go in groups of at most kMaxGroupAcc / d (all of them, for every model we know;
+// one head at a time, in slices of its dimensions, above 512). Head sizes up to kMaxHead.
+constexpr int64_t kMaxGroupAcc = 512, kMaxGroup = 64, kMaxHead = 4096;
 
 // Positions [p, p + n) of a tile row as float32 (n = Vec::size() when Full), lanes from
 // n on zero.
@@ -221,40 +222,58 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
         for (int64_t j = 0; j < g; j++)
             total[j] = Vec(sum(l[j]));
     }
-    for (int64_t i = 0; i < g * d; i++)
-        acc[i] = Vec(0.f);
-    for_vectors([&](auto full, int64_t tile, int64_t p, int64_t lo, int64_t n) DG_INLINE {
-        constexpr bool F = decltype(full)::value;
-        const Vec live = F ? Vec(0.f) : lanes(lo, n);
-        for (int64_t j = 0; j < g; j++) {
-            const float* x = sc + j * sc_stride + p;
-            if constexpr (Bf16) {  // lanes past n load 0; those before lo hold weight 0
-                s[j] = round_bf16((F ? Vec::loadu(x) : Vec::loadu(x, n)) / total[j]);
-            } else {
-                s[j] = exp((F ? Vec::loadu(x) : Vec::loadu(x, n)) - m[j]);
+    // The weighted sums of V for dimensions [i0, i0 + dn) of every head: all of them in one
+    // pass unless a head is wider than the accumulators (then a pass per slice, each
+    // recomputing the weights; only the first adds up their sums).
+    auto v_pass = [&](int64_t i0, int64_t dn) DG_INLINE {
+        for (int64_t i = 0; i < g * dn; i++)
+            acc[i] = Vec(0.f);
+        for_vectors([&](auto full, int64_t tile, int64_t p, int64_t lo, int64_t n) DG_INLINE {
+            constexpr bool F = decltype(full)::value;
+            const Vec live = F ? Vec(0.f) : lanes(lo, n);
+            for (int64_t j = 0; j < g; j++) {
+                const float* x = sc + j * sc_stride + p;
+                if constexpr (Bf16) {  // lanes past n load 0; those before lo hold weight 0
+                    s[j] = round_bf16((F ? Vec::loadu(x) : Vec::loadu(x, n)) / total[j]);
+                } else {
+                    s[j] = exp((F ? Vec::loadu(x) : Vec::loadu(x, n)) - m[j]);
+                    if constexpr (!F)
+                        s[j] = Vec::blendv(Vec(0.f), s[j], live);
+                    if (i0 == 0)
+                        l[j] = l[j] + s[j];
+                }
+            }
+            for (int64_t i = 0; i < dn; i++) {
+                Vec v = load_kv<F>(vc + tile + (i0 + i) * bs, n);
                 if constexpr (!F)
-                    s[j] = Vec::blendv(Vec(0.f), s[j], live);
-                l[j] = l[j] + s[j];
+                    v = Vec::blendv(Vec(0.f), v, live);  // 0 * a non-finite value is not 0
+                for (int64_t j = 0; j < g; j++)
+                    acc[j * dn + i] = at::vec::fmadd(s[j], v, acc[j * dn + i]);
+            }
+        });
+        // o[j * d + i0 + i] = (lane sum of acc[j * dn + i]) / (lane sum of l[j]), a vector
+        // at a time: across heads where the slice is the whole head (the accumulators then
+        // lie as the output does), else per head.
+        float inv[kMaxGroupAcc];
+        for (int64_t j = 0; j < g; j++) {
+            const float inv_j = Bf16 ? 1.f : 1.f / sum(l[j]);
+            for (int64_t i = 0; i < dn; i++)
+                inv[j * dn + i] = inv_j;
+        }
+        const int64_t rows = dn == d ? 1 : g, width = dn == d ? g * d : dn;
+        for (int64_t j = 0; j < rows; j++) {
+            for (int64_t c = 0; c < width; c += kLanes) {
+                const int64_t n = width - c < kLanes ? width - c : kLanes, at = j * dn + c;
+                (sum_lanes(&acc[at], n) * Vec::loadu(inv + at, n)).store(o + j * d + i0 + c, n);
             }
         }
-        for (int64_t i = 0; i < d; i++) {
-            Vec v = load_kv<F>(vc + tile + i * bs, n);
-            if constexpr (!F)
-                v = Vec::blendv(Vec(0.f), v, live);  // 0 * a non-finite value is not 0
-            for (int64_t j = 0; j < g; j++)
-                acc[j * d + i] = at::vec::fmadd(s[j], v, acc[j * d + i]);
-        }
-    });
-    // o[j * d + i] = (lane sum of acc[j * d + i]) / (lane sum of l[j]), a vector at a time.
-    float inv[kMaxGroupAcc];
-    for (int64_t j = 0; j < g; j++) {
-        const float inv_j = Bf16 ? 1.f : 1.f / sum(l[j]);
-        for (int64_t i = 0; i < d; i++)
-            inv[j * d + i] = inv_j;
-    }
-    for (int64_t c = 0; c < g * d; c += kLanes) {
-        const int64_t n = g * d - c < kLanes ? g * d - c : kLanes;
-        (sum_lanes(&acc[c], n) * Vec::loadu(inv + c, n)).store(o + c, n);
+    };
+    if (g * d <= kMaxGroupAcc) {
+        v_pass(0, d);
+    } else {
+        const int64_t span = kMaxGroupAcc / g;
+        for (int64_t i0 = 0; i0 < d; i0 += span)
+            v_pass(i0, d - i0 < span ? d - i0 : span);
     }
 }
 
@@ -267,8 +286,9 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
                        int64_t g, int64_t d, int64_t bs, int64_t tile_stride, float scale,
                        float softcap, float* sc, int64_t sc_stride, int bf16) {
     const int64_t tile = d * bs;
-    const int64_t max_g = kMaxGroupAcc / d < kMaxGroup ? kMaxGroupAcc / d : kMaxGroup;
-    float qf[kMaxGroupAcc], of[kMaxGroupAcc];
+    const int64_t fit = kMaxGroupAcc / d > 1 ? kMaxGroupAcc / d : 1;
+    const int64_t max_g = fit < kMaxGroup ? fit : kMaxGroup;
+    float qf[kMaxGroupAcc > kMaxHead ? kMaxGroupAcc : kMaxHead], of[sizeof qf / sizeof(float)];
     for (int64_t h = 0; h < num_heads; h += g) {
         const int64_t off = (h / g) * tile;
         for (int64_t h0 = h; h0 < h + g; h0 += max_g) {
@@ -320,7 +340,7 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
 }
 
 // One layer's attention step (see the top of this file). All tensors float32, or all
-// bfloat16 when `bf16` (head_size at most kBf16MaxHead).
+// bfloat16 when `bf16`; head_size at most kMaxHead.
 struct paged_attention_step {
     const void *q, *k, *v;
     void *out, *k_cache, *v_cache;
@@ -338,13 +358,13 @@ struct paged_attention_step {
 };
 
 // Check the step, write its new K/V into the caches and zero the padding rows of out:
-// 0, or non-zero with nothing touched (3: a bf16 head size above kBf16MaxHead).
+// 0, or non-zero with nothing touched (3: a head size above kMaxHead).
 inline int paged_attention_begin(const paged_attention_step *a)
 {
     const int64_t d = a->head_size, kvh = a->num_kv_heads, bs = a->block_size;
     const size_t elem = a->bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t row_bytes = (size_t)(a->num_heads * d) * elem;
-    if (a->bf16 && d > kBf16MaxHead)
+    if (d > kMaxHead)
         return 3;
     const int bad = check_metadata(a->slot_mapping, a->block_tables, a->bt_stride,
                                    a->query_start_loc, a->seq_lens, a->num_reqs, a->num_rows,
