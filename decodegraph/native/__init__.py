@@ -1,25 +1,28 @@
 """decodegraph's CPU operators, built from C/C++ on first use (vLLM's csrc, for CPU).
 
 - `decodegraph_cpu::paged_attention`: a layer's attention for any batch (decodes,
-  prefills, chunks) in one operator (the C kernel in csrc/paged_attention.c). No library
+  prefills, chunks) in one operator (the kernel in csrc/paged_attention.h). No library
   ships a paged attention for CPU that we could depend on; at batch 1 a dozen small
   tensor ops per layer (or a Python-level op) cost more than the attention itself, and
   a prefill of 256 short prompts paid one attention call per request and layer.
 - `decodegraph_cpu::rms_norm` and `fused_add_rms_norm` (vLLM's names): RMSNorm in one
-  pass per row (csrc/rms_norm.c); torch's CPU rms_norm is five to seven ops, two of them
+  pass per row (csrc/rms_norm.h); torch's CPU rms_norm is five to seven ops, two of them
   copies, a large share of an eager step at batch 256 (docs/performance.md).
-- `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.c, bit for bit the
-  tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.c): one pass each
+- `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.h, bit for bit the
+  tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.h): one pass each
   instead of five and three ops per layer.
 
-csrc/cpu_ops.cpp registers them. They are compiled once per machine with torch's
-extension builder into a cache keyed by the sources, flags and CPU (seconds, the first
-time). Where they cannot be built, `load_cpu_ops()` returns None and callers keep their
-tensor-op paths; one warning per process says why (the build's last error) and names
-DECODEGRAPH_NATIVE_KERNELS=0, which disables them without a build or a log. The attention
-kernel has an AVX-512 path for block sizes that are multiples of 16;
-DECODEGRAPH_CPU_NO_AVX512=1 forces its portable loops (the tests use it to check both).
-A large step splits its requests over torch's intra-op threads.
+csrc/cpu_ops.cpp registers them. Each kernel is written once against torch's
+at::vec::Vectorized<float> (csrc/vec.h): the build picks the vector ISA of the machine,
+-march=native with the at::vec capability macro that matches it (AVX-512 or AVX2 on x86,
+NEON on aarch64, plain loops elsewhere). DECODEGRAPH_CPU_ISA=avx2 or =scalar forces a
+narrower build (`available_isas()` lists what this machine can run; the tests check each
+one). They are compiled once per machine and ISA with torch's extension builder into a
+cache keyed by the sources, flags and CPU (seconds, the first time). Where they cannot be
+built, `load_cpu_ops()` returns None and callers keep their tensor-op paths; one warning
+per process says why (the build's last error) and names DECODEGRAPH_NATIVE_KERNELS=0,
+which disables them without a build or a log. A large step splits its requests over
+torch's intra-op threads.
 
 Graph traces see the pointwise and norm operators as the aten ops they stand for
 (`decompositions()`), so Inductor fuses them with their neighbours; the attention
@@ -56,16 +59,64 @@ def _sources() -> tuple[Path, ...]:
     )
 
 
-# -ffast-math for the compile step only (vectorised expf, reassociated sums): linking
-# with it would pull in crtfastmath.o, which sets flush-to-zero for the whole process.
-# -fopenmp: at::parallel_for is OpenMP in torch's headers; the library links against
-# libgomp.so.1, the one torch has already loaded. Without it (no OpenMP in the
-# compiler) the operators build and run on one thread.
-_FLAG_SETS = (
-    ["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-    ["-O3", "-march=native", "-ffast-math"],
-    ["-O3", "-ffast-math"],
-)
+# -ffast-math for the compile step only (reassociated sums): linking with it would pull in
+# crtfastmath.o, which sets flush-to-zero for the whole process. -ffp-contract=off: no
+# multiply-add is fused unless a kernel asks for one (rotary_embedding is bit for bit the
+# tensor formula). -fopenmp: at::parallel_for is OpenMP in torch's headers; the library
+# links against libgomp.so.1, the one torch has already loaded. Without it (no OpenMP in
+# the compiler) the operators build and run on one thread.
+_BASE_FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off"]
+
+# Per vector ISA: the target and the at::vec capability macro to match. at::vec picks
+# AVX-512 or AVX2 only when CPU_CAPABILITY_AVX512 or _AVX2 is defined (its headers
+# otherwise compile the plain-loop DEFAULT version, whatever -march says); on aarch64 it
+# is NEON without a macro. CPU_CAPABILITY names at::vec's inline namespace: our own name,
+# so that no symbol of ours resolves to libtorch's copies or the other way round.
+_ISA_FLAGS = {
+    "avx512": ["-march=native", "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=dg_avx512"],
+    "avx2": [
+        "-march=native",
+        "-mno-avx512f",  # and with it every AVX-512 subset: what an AVX2-only CPU builds
+        "-DCPU_CAPABILITY_AVX2",
+        "-DCPU_CAPABILITY=dg_avx2",
+    ],
+    "neon": ["-march=native", "-DCPU_CAPABILITY=dg_neon"],
+    # The portable loops, for the baseline of the architecture (no -march).
+    "scalar": ["-DCPU_CAPABILITY=dg_default"],
+}
+
+
+def available_isas() -> list[str]:
+    """The vector ISAs this machine runs, best first (torch's own CPU detection, which
+    ATEN_CPU_CAPABILITY may narrow): what `DECODEGRAPH_CPU_ISA` may name."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return ["neon"]  # at::vec has no non-NEON build on aarch64
+    capability = torch.backends.cpu.get_cpu_capability()
+    isas = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+    return [*isas, "scalar"]
+
+
+def _isa() -> str:
+    """The ISA to build: DECODEGRAPH_CPU_ISA where this machine runs it, else the best."""
+    isas = available_isas()
+    wanted = os.environ.get("DECODEGRAPH_CPU_ISA", "").strip().lower()
+    if not wanted and os.environ.get("DECODEGRAPH_CPU_NO_AVX512") == "1":  # the old switch
+        wanted = next(i for i in isas if i != "avx512")
+    if wanted and wanted not in isas:
+        logger.warning(
+            "DECODEGRAPH_CPU_ISA=%s is not one this machine runs (%s); building for %s",
+            wanted,
+            ", ".join(isas),
+            isas[0],
+        )
+        wanted = ""
+    return wanted or isas[0]
+
+
+def _flag_sets(isa: str) -> list[list[str]]:
+    """Flag sets to try in turn: the ISA's with OpenMP, without, then the portable one."""
+    flags = _BASE_FLAGS + _ISA_FLAGS[isa]
+    return [flags + ["-fopenmp"], flags, _BASE_FLAGS + _ISA_FLAGS["scalar"]]
 
 
 def _cpu_id() -> str:
@@ -156,7 +207,7 @@ def load_cpu_ops() -> object | None:
         return None
     _ninja_on_path()
     reason = "no flag set tried"
-    for flags in _FLAG_SETS:
+    for flags in _flag_sets(_isa()):
         try:
             from torch.utils.cpp_extension import load
 
@@ -188,6 +239,13 @@ def load_cpu_ops() -> object | None:
         reason,
     )
     return None
+
+
+def cpu_isa() -> str | None:
+    """The vector ISA the loaded operators were built for (avx512, avx2, neon or scalar),
+    or None where they are not loaded."""
+    ops = load_cpu_ops()
+    return None if ops is None else ops.vector_isa()
 
 
 def cpu_ops_for(x: torch.Tensor) -> object | None:

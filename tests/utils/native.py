@@ -1,4 +1,4 @@
-"""Helpers for tests of the CPU operators' portable paths."""
+"""Helpers for tests of the CPU operators' builds for each vector ISA."""
 
 from __future__ import annotations
 
@@ -6,12 +6,24 @@ import os
 import subprocess
 import sys
 
+# The tests that check the native operators against their references: every one of them
+# runs again in a child process per narrower ISA (tests/native/test_isa_variants.py).
+KERNEL_TESTS = (
+    "tests/attention/test_torch_paged.py",
+    "tests/layers/test_activation.py",
+    "tests/layers/test_layernorm.py",
+    "tests/layers/test_rotary_embedding.py",
+    "tests/native/test_cpu_ops.py",
+)
+KERNEL_SELECTOR = (
+    "(native or operator or large_step or softmax_weights) and not refuses and not loading"
+)
 
-def pytest_without_avx512(test_file: str, selector: str) -> subprocess.CompletedProcess:
-    """Run the tests of `test_file` matching `-k selector` in a child process whose
-    operators take their portable loops (DECODEGRAPH_CPU_NO_AVX512=1: the switch is read
-    once per process)."""
-    env = dict(os.environ, DECODEGRAPH_CPU_NO_AVX512="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+
+def pytest_with_isa(isa: str, files: tuple[str, ...], selector: str) -> subprocess.CompletedProcess:
+    """Run the tests of `files` matching `-k selector` in a child process whose operators
+    are built for `isa` (DECODEGRAPH_CPU_ISA: a build is chosen once per process)."""
+    env = dict(os.environ, DECODEGRAPH_CPU_ISA=isa)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     cmd += ["-k", selector]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)

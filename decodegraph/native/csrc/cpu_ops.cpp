@@ -23,16 +23,17 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
-extern "C" {
-#include "activation.c"
-#include "paged_attention.c"
-#include "rms_norm.c"
-#include "rotary_embedding.c"
-}
+#include "activation.h"
+#include "paged_attention.h"
+#include "rms_norm.h"
+#include "rotary_embedding.h"
 
 namespace {
+
+using namespace decodegraph;
 
 // Below this much work (query tokens x context positions x query heads x head size, a
 // few tens of microseconds) a step stays on the calling thread: a batch-1 decode step
@@ -131,7 +132,7 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
     TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0,
                 "paged_attention: sliding_window and logits_soft_cap must not be negative");
     const int status = paged_attention_begin(&step);
-    TORCH_CHECK(status != 3, "paged_attention: bfloat16 head size above 512");
+    TORCH_CHECK(status != 3, "paged_attention: head size above 4096");
     TORCH_CHECK(status == 0, "paged_attention: a slot, block id, sequence length or query range "
                 "is outside the KV cache, the block table, the rows or the workspace");
     const std::vector<int64_t> bounds = split_requests(step, workspace.size(0));
@@ -253,9 +254,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     return out;
 }
 
+std::string vector_isa_op() { return vector_isa(); }
+
 }  // namespace
 
 TORCH_LIBRARY(decodegraph_cpu, m) {
+    // The vector code the library was built with: avx512, avx2, neon or scalar.
+    m.def("vector_isa() -> str", &vector_isa_op);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");
