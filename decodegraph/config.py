@@ -5,13 +5,12 @@ Every bad value raises `ValueError` naming the field. Names follow vLLM's.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from decodegraph.config_parsing import dataclass_from_any
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.structured_output.config import StructuredOutputsConfig
 
@@ -175,24 +174,7 @@ class CompilationConfig:
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | str | None) -> CompilationConfig:
         """Accept a `CompilationConfig`, a dict, a JSON string, or None."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"compilation_config: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"compilation_config: expected a dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"compilation_config: unknown field(s) {unknown}; known: {sorted(known)}"
-            )
-        return cls(**value)
+        return dataclass_from_any(cls, value, "compilation_config")
 
 
 @dataclass

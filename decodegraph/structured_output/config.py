@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
+
+from decodegraph.config_parsing import dataclass_from_any
 
 _BACKENDS = ("auto", "xgrammar")
 
@@ -33,23 +33,4 @@ class StructuredOutputsConfig:
         cls, value: StructuredOutputsConfig | dict | str | None
     ) -> StructuredOutputsConfig:
         """Accept a `StructuredOutputsConfig`, a dict, a JSON string, or None."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs_config: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"structured_outputs_config: expected a dict, got {type(value).__name__}"
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"structured_outputs_config: unknown field(s) {unknown}; known: {sorted(known)}"
-            )
-        return cls(**value)
+        return dataclass_from_any(cls, value, "structured_outputs_config")

@@ -12,6 +12,7 @@ import torch
 
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.sampling_params import SamplingParams
+from tests.utils.reference import transformers_logprobs
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play.",
@@ -24,15 +25,7 @@ ALL_MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWIS
 @pytest.fixture(scope="module")
 def reference(stories_dir: Path) -> Callable[[list[int]], torch.Tensor]:
     """transformers' log-softmax over the vocabulary at every position of a prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32)
-
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return logprobs
+    return transformers_logprobs(stories_dir)
 
 
 @pytest.fixture(scope="module")

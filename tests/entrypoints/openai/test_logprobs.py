@@ -12,6 +12,7 @@ import openai
 import pytest
 import torch
 
+from tests.utils.reference import transformers_logprobs
 from tests.utils.server import CHAT_TEMPLATE, RunningServer, make_engine, start_server
 
 PROMPT = "Once upon a time, there was a little girl named Lily."
@@ -20,15 +21,8 @@ MODEL_NAME = "stories"
 
 @pytest.fixture(scope="module")
 def reference(stories_dir: Path) -> Callable[[list[int]], torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(stories_dir, dtype=torch.float32)
-
-    def logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return logprobs
+    """transformers' log-softmax over the vocabulary at every position of a prompt."""
+    return transformers_logprobs(stories_dir)
 
 
 @pytest.fixture(scope="module")
