@@ -15,7 +15,8 @@ minus median forward); start-up seconds, capture seconds and graph count.
 Every row also shows the fraction of the memory-bandwidth floor it reaches: the bytes a
 decode step must read (every weight once, the LM head rather than the embedding, and each
 sequence's KV cache at its mean length) over a streaming bandwidth measured here at the
-same thread count (the faster of a large tensor's sum and copy).
+same thread count (the faster of a large tensor's sum and copy), at the start and after
+every batch-1 round (median), so that the floor sees the same load as the sides.
 
 --mid-size adds a Qwen2.5-0.5B-shaped random checkpoint (written once under --mid-dir),
 in fp32 and bf16, at batch 1 and --mid-batch: minutes per dtype on 2 cores.
@@ -179,18 +180,22 @@ def bench_model(
     throughput_repeats: int,
     bandwidth_gbs: float,
 ) -> dict[str, dict[str, Any]]:
-    """Interleaved rounds over every side; one result row per side."""
+    """Interleaved rounds over every side; one result row per side, and the floor."""
     sides: list[Side] = [*engines, *others]
     b1: dict[str, list[float]] = {s.name: [] for s in sides}
+    bandwidths = [bandwidth_gbs]
     for _ in range(repeats):
         for s in sides:
             b1[s.name].append(s.batch1(tokens))
+        # The floor is measured in every round too, under that round's load.
+        bandwidths.append(peers.measure_bandwidth(mib=256, repeats=3).floor_gbs)
     bat: dict[str, list[float | None]] = {s.name: [] for s in sides}
     prompts = batch_prompts(num_requests)
     for _ in range(throughput_repeats):
         for s in sides:
             bat[s.name].append(s.batched(prompts, batch_tokens))
     need = peers.decode_bytes(model_dir, dtype)
+    bandwidth_gbs = statistics.median(bandwidths)
     floor_b1 = need.floor_tokens_per_s(bandwidth_gbs, 1, (tokens + 1) / 2)
     floor_bat = need.floor_tokens_per_s(bandwidth_gbs, num_requests, 2 + batch_tokens / 2)
     rows: dict[str, dict[str, Any]] = {}
@@ -220,6 +225,8 @@ def bench_model(
         "kv_bytes_per_position": need.kv_bytes_per_position,
         "batch1_tokens_per_s": floor_b1,
         "batched_tokens_per_s": floor_bat,
+        "bandwidth_gbs": bandwidth_gbs,
+        "bandwidth_rounds_gbs": bandwidths,
     }
     return rows
 
@@ -228,7 +235,8 @@ def print_table(title: str, rows: dict[str, dict[str, Any]], peer_names: list[st
     nan = float("nan")
     floor = rows["_floor"]
     print(
-        f"\n{title}: floor {floor['batch1_tokens_per_s']:.0f} tok/s at batch 1, "
+        f"\n{title}: bandwidth {floor['bandwidth_gbs']:.1f} GB/s (median over rounds), "
+        f"floor {floor['batch1_tokens_per_s']:.0f} tok/s at batch 1, "
         f"{floor['batched_tokens_per_s']:.0f} batched"
     )
     ratio_cols = [p for p in peer_names if p in rows]
