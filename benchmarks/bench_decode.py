@@ -231,6 +231,11 @@ def bench_model(
     return rows
 
 
+def _rate(tokens_per_s: float) -> str:
+    """Tokens/s with a decimal where the mid-size model's few tokens/s need one."""
+    return f"{tokens_per_s:.1f}" if tokens_per_s < 100 else f"{tokens_per_s:.0f}"
+
+
 def print_table(title: str, rows: dict[str, dict[str, Any]], peer_names: list[str]) -> None:
     nan = float("nan")
     floor = rows["_floor"]
@@ -247,8 +252,8 @@ def print_table(title: str, rows: dict[str, dict[str, Any]], peer_names: list[st
         if name == "_floor":
             continue
         line = (
-            f"{name:<20}{row['batch1_tokens_per_s']:>10.0f}{row['batch1_floor_fraction']:>9.3f}"
-            f"{row.get('batched_tokens_per_s', nan):>10.0f}"
+            f"{name:<20}{_rate(row['batch1_tokens_per_s']):>10}{row['batch1_floor_fraction']:>9.3f}"
+            f"{_rate(row.get('batched_tokens_per_s', nan)):>10}"
             f"{row.get('batched_floor_fraction', nan):>7.3f}"
         )
         for p in ratio_cols:
