@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -62,6 +62,17 @@ class Side(Protocol):
 
     def batch1(self, tokens: int) -> float: ...
     def batched(self, prompts: list[list[int]], tokens: int) -> float | None: ...
+
+
+class Job(NamedTuple):
+    """One model's rows: its checkpoint, the engine modes and settings, the workload."""
+
+    title: str
+    path: Path
+    dtype: torch.dtype
+    modes: list[str]
+    engine_kwargs: dict[str, Any]  # EngineArgs fields, and capture_sizes
+    workload: dict[str, int]  # bench_model's keyword arguments
 
 
 def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
@@ -307,10 +318,10 @@ def main() -> None:
         "bandwidth_gbs": {"read": bw.read_gbs, "copy": bw.copy_gbs, "floor": bw.floor_gbs},
         "models": {},
     }
-    jobs = []
+    jobs: list[Job] = []
     if not args.mid_only:
         jobs.append(
-            (
+            Job(
                 Path(args.model).name,
                 Path(args.model),
                 torch.float32,
@@ -338,7 +349,7 @@ def main() -> None:
                 capture_sizes=args.mid_capture_sizes,
             )
             jobs.append(
-                (
+                Job(
                     f"qwen2.5-0.5b-shape {name}",
                     path,
                     dtype,

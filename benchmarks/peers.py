@@ -286,9 +286,11 @@ class Llama2cSide:
             *("-z", str(self.source / "tok512.bin"), "-t", "0", "-n", str(tokens + 1), "-i", ""),
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        m = re.search(r"achieved tok/s: ([0-9.]+)", out.stdout + out.stderr)
+        m = re.search(r"achieved tok/s: ([0-9.]+|inf)", out.stdout + out.stderr)
         if m is None:
             raise RuntimeError(f"llama2.c printed no tok/s: {out.stderr[-300:]}")
+        if m.group(1) == "inf":  # the run took under one tick of its millisecond timer
+            raise RuntimeError(f"{tokens} tokens are too few for llama2.c's timer")
         return float(m.group(1))
 
     def batched(self, prompts: list[list[int]], tokens: int) -> float | None:

@@ -81,14 +81,14 @@ def test_llama2c_builds_and_reports_tokens_per_s(tmp_path: Path) -> None:
         side = peers.Llama2cSide(tmp_path)
     except peers.PeerUnavailable as e:
         pytest.skip(str(e))
-    assert side.batch1(16) > 0
+    assert side.batch1(64) > 0  # enough milliseconds for its timer
     assert side.batched([[1, 30]], 4) is None
 
 
 def test_script_prints_every_side_and_saves_floor_fractions(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--modes", "NONE",
-           "--no-inductor", "--tokens", "8", "--repeats", "1", "--num-requests", "2",
+           "--no-inductor", "--tokens", "64", "--repeats", "1", "--num-requests", "2",
            "--batch-tokens", "4", "--throughput-repeats", "1", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
