@@ -35,12 +35,16 @@ lint: setup
 	$(BIN)/ruff format --check decodegraph tests benchmarks
 
 # Batch-1 and 256 x 200 decode speed of the eager mode (NONE) and the default graph mode,
-# beside transformers, at one intra-op thread, on stories260K: a minute or two on a
-# 2-core machine. Saves benchmarks/results/bench_decode.json. `make bench BENCH_ARGS=`
-# runs every graph mode; `$(BIN)/python benchmarks/bench_decode.py --help` lists the flags.
+# beside CTranslate2, llama2.c (built from ../shared/peers/llama2c) and transformers, at
+# one intra-op thread on every side, on stories260K: a few minutes on a 2-core machine.
+# Peers that cannot be installed or built are skipped with the reason. Saves
+# benchmarks/results/bench_decode.json. BENCH_ARGS="... --mid-size" adds the
+# Qwen2.5-0.5B-shaped rows (fp32 and bf16, batch 1 and 32); `$(BIN)/python
+# benchmarks/bench_decode.py --help` lists the flags.
 BENCH_ARGS ?= --modes NONE FULL_DECODE_ONLY --threads 1
 
 bench: setup
+	-$(BIN)/pip install -q -r benchmarks/requirements.txt
 	$(BIN)/python benchmarks/bench_decode.py $(BENCH_ARGS)
 
 # The README's figure: `decodegraph bench latency` on the bundled model, every graph mode,

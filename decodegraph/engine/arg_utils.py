@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import logging
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.bundled import DEFAULT_MODEL, bundled_model_path
 from decodegraph.platforms import platform_class, platform_names
 from decodegraph.structured_output.config import StructuredOutputsConfig
+
+logger = logging.getLogger(__name__)
 
 # max_num_batched_tokens when neither it nor a platform default for the usage context is
 # given (vLLM's DEFAULT_MAX_NUM_BATCHED_TOKENS).
@@ -181,6 +184,16 @@ class EngineArgs:
         model_config.model_path = path
         model_config.hf_config = hf_config
         model_config.dtype = parse_dtype(self.dtype, get_config_dtype(hf_config))
+        if isinstance(self.dtype, str) and self.dtype == "auto":
+            stored = model_config.dtype
+            model_config.dtype, why = platform_class(device_config.device).auto_dtype(stored)
+            logger.info(
+                "dtype auto: %s for a %s checkpoint on %s (%s)",
+                str(model_config.dtype).removeprefix("torch."),
+                str(stored).removeprefix("torch."),
+                device_config.device,
+                why,
+            )
         _check_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
         limit = _context_length(hf_config)
         if model_config.max_model_len is None:

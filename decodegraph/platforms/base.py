@@ -102,6 +102,13 @@ class Platform:
     # forward of this many tokens.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {}
 
+    @classmethod
+    def auto_dtype(cls, checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
+        """The dtype `dtype="auto"` runs a checkpoint stored in `checkpoint_dtype` in, and
+        why (logged at start-up): the checkpoint's own, unless a platform measured a faster
+        correct one."""
+        return checkpoint_dtype, "the checkpoint's dtype"
+
     def check_and_update_config(self, config: EngineConfig) -> None:
         """Refuse settings this platform cannot run, naming the field (vLLM's hook)."""
 
