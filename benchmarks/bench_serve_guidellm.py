@@ -98,9 +98,10 @@ def main() -> None:
                     print(f"round {r} {name} c={c}: {run['output_tok_s']:.0f} tok/s", flush=True)
             for batch in sorted({1, max(args.concurrency)}):
                 n = args.min_requests if batch == 1 else batch * 4
-                run = _offline(llm, args, batch, n)
-                runs.setdefault(f"offline b={batch}", []).append(run)
-                print(f"round {r} offline b={batch}: {run['output_tok_s']:.0f} tok/s", flush=True)
+                for name, delta in (("offline", False), ("engine DELTA", True)):
+                    run = _offline(llm, args, batch, n, delta)
+                    runs.setdefault(f"{name} b={batch}", []).append(run)
+                    print(f"round {r} {name} b={batch}: {run['output_tok_s']:.0f} tok/s")
     finally:
         for proc, _ in servers.values():
             proc.terminate()
@@ -108,6 +109,9 @@ def main() -> None:
 
     medians = {k: statistics.median(x["output_tok_s"] for x in v) for k, v in runs.items()}
     rows = []
+    for name in ("offline", "engine DELTA"):
+        for b in sorted({1, max(args.concurrency)}):
+            rows.append([name, f"b={b}", medians[f"{name} b={b}"], "", "", ""])
     for name in servers:
         for c in args.concurrency:
             ceiling = medians[f"offline b={1 if c == 1 else max(args.concurrency)}"]
@@ -170,21 +174,34 @@ def _offline_engine(args: argparse.Namespace) -> Any:
     return LLM(args.model, compilation_config={"cudagraph_mode": args.mode})
 
 
-def _offline(llm: Any, args: argparse.Namespace, batch: int, count: int) -> dict[str, Any]:
+def _offline(
+    llm: Any, args: argparse.Namespace, batch: int, count: int, delta: bool = False
+) -> dict[str, Any]:
     """`LLM.generate` of `count` requests, `batch` at a time, at the server's default
-    sampling."""
-    from decodegraph.sampling_params import SamplingParams
+    sampling. With `delta`, the same engine steps DELTA requests itself (text decoded
+    and an output built every step, as for a stream, but no server): what the engine
+    could reach in a process of its own, before the cost of moving its outputs out."""
+    from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
     vocab = len(llm.get_tokenizer())
     prompts = [
         {"prompt_token_ids": p} for p in random_prompts(count, args.prompt_tokens, vocab, seed=0)
     ]
-    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY
+    params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True, output_kind=kind)
+    engine = llm.llm_engine
     start = time.perf_counter()
     for i in range(0, count, batch):
-        llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+        if not delta:
+            llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+            continue
+        for j, prompt in enumerate(prompts[i : i + batch]):
+            engine.add_request(f"delta-{i + j}", prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
     seconds = time.perf_counter() - start
     return {
+        "delta": delta,
         "batch": batch,
         "requests": count,
         "duration_s": seconds,
