@@ -39,12 +39,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, mode: str, port: int, extra: list[str]) -> subprocess.Popen:
-    """`decodegraph serve` on loopback in `mode`; returns once /health answers."""
+def start_server(
+    model: str, mode: str, port: int, extra: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`decodegraph serve` on loopback in `mode` (in `env`, default this process's);
+    returns once /health answers."""
     cmd = [sys.executable, "-m", "decodegraph.entrypoints.cli", "serve", model,
            "--port", str(port), "--uvicorn-log-level", "warning",
            "--compilation-config", json.dumps({"cudagraph_mode": mode}), *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     deadline = time.monotonic() + 600  # graph capture (and Inductor) can take a while
     while time.monotonic() < deadline:
         if proc.poll() is not None:

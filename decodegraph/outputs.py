@@ -61,3 +61,28 @@ class RequestOutput:
     # With `prompt_logprobs`: None for the first prompt token, then per prompt token a
     # dict token id -> Logprob (the prompt token plus the top-k); else None.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold `later`, the next DELTA output of the same request, into this one, so that
+        one output carries both steps' deltas (text and tokens appended, the latest
+        finish state kept)."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason = new.finish_reason
+            old.stop_reason = new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_cached_tokens = later.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

@@ -3,8 +3,11 @@
 The engine is not thread-safe, so every engine call (add_request, abort_request, step,
 get_stats) runs on one dedicated engine thread. The asyncio side posts commands to it
 through a queue; the thread steps while there is work and sleeps on the queue when idle.
-After each step it routes the outputs to per-request asyncio queues with one
-`call_soon_threadsafe` per event loop, so a step of 64 requests wakes the loop once.
+After each step it routes the outputs to per-request collectors with one
+`call_soon_threadsafe` per event loop, so a step of 64 requests wakes the loop once. A
+collector merges the DELTA outputs that pile up while its consumer is busy (as vLLM's
+`RequestOutputCollector`), so a consumer that falls behind catches up with one chunk for
+several steps instead of one per step.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,19 +39,58 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed in a step; no request can be served any more."""
 
 
+class RequestOutputCollector:
+    """A request's outputs on their way to its consumer, on the consumer's event loop.
+
+    Anything else put here (the accept signal, an exception) queues as it comes; a
+    DELTA output put while the previous one is still waiting is merged into it, and a
+    CUMULATIVE one replaces it (it holds everything the earlier one did).
+    """
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self._merge = output_kind is not RequestOutputKind.FINAL_ONLY
+        self._delta = output_kind is RequestOutputKind.DELTA
+        self._items: deque[Any] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        """Add an item (call on the consumer's loop)."""
+        items = self._items
+        if self._merge and items and isinstance(item, RequestOutput):
+            last = items[-1]
+            if isinstance(last, RequestOutput):
+                if self._delta:
+                    last.add(item)
+                else:
+                    items[-1] = item
+                return
+        items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        """The next item, waiting for one if there is none."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
 @dataclass(eq=False)
 class _RequestStream:
-    """One request's way back to its caller: a queue on the caller's event loop."""
+    """One request's way back to its caller: a collector on the caller's event loop."""
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     output_kind: RequestOutputKind
     arrival_time: float = field(default_factory=time.monotonic)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    collector: RequestOutputCollector = field(init=False)
     # Engine-thread bookkeeping for the latency histograms.
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_tokens_seen: int = 0
+
+    def __post_init__(self) -> None:
+        self.collector = RequestOutputCollector(self.output_kind)
 
 
 _ACCEPTED = object()
@@ -112,7 +155,7 @@ class AsyncLLM:
         stream = _RequestStream(request_id, asyncio.get_running_loop(), params.output_kind)
         self._commands.put(("add", stream, prompt, params))
         try:
-            ack = await stream.queue.get()
+            ack = await stream.collector.get()
         except asyncio.CancelledError:
             # The client left while we waited; the request may be in the engine already.
             self._commands.put(("abort", [request_id]))
@@ -126,7 +169,7 @@ class AsyncLLM:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.collector.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -287,7 +330,7 @@ class AsyncLLM:
             self._last_stats_time = now
 
     def _post(self, stream: _RequestStream, item: Any) -> None:
-        self._call_soon(stream.loop, stream.queue.put_nowait, item)
+        self._call_soon(stream.loop, stream.collector.put, item)
 
     @staticmethod
     def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
@@ -316,4 +359,4 @@ class AsyncLLM:
 
 def _deliver(items: list[tuple[_RequestStream, Any]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.collector.put(item)

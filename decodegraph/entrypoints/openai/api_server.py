@@ -10,6 +10,7 @@ import argparse
 import importlib.metadata
 import logging
 import secrets
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,13 @@ from decodegraph.metrics import PROMETHEUS_CONTENT_TYPE
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
+# The engine thread and the event loop share one GIL. At CPython's default switch
+# interval (5 ms) a thread waiting for the GIL forces the holder off it that often, so
+# a busy event loop keeps cutting into the engine's steps; a longer interval leaves the
+# engine whole steps, and the loop still gets the GIL each time the engine releases it
+# (in most torch ops and in every queue wait). Measured in docs/performance.md
+# (2026-12-01, server throughput).
+SERVER_SWITCH_INTERVAL_S = 0.02
 try:
     VERSION = importlib.metadata.version("decodegraph")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
@@ -332,6 +340,7 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(
             "error: when --enable-auto-tool-choice is set, --tool-call-parser must be set"
         )
+    sys.setswitchinterval(SERVER_SWITCH_INTERVAL_S)
     async_llm = build_async_llm(args)
     app = build_app(async_llm, args)
     logger.info(
