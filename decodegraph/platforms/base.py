@@ -181,6 +181,11 @@ class Platform:
     def memory_allocated(self) -> int:
         return 0
 
+    def profile_num_tokens(self, max_num_tokens: int) -> int:
+        """Tokens of the start-up profiling forward: the largest batch, whose activation
+        peak (peak_memory_allocated) the KV cache budget leaves out."""
+        return max_num_tokens
+
     def reset_peak_memory(self) -> None:
         """Start a peak-memory measurement (profiling run)."""
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 # Without an explicit budget, the KV cache takes this share of available host memory.
 _CPU_KV_CACHE_SHARE = 0.25
 _CPU_KV_CACHE_MAX_BYTES = 4 << 30
+# Tokens of the start-up profiling forward (see CpuPlatform.profile_num_tokens).
+_CPU_PROFILE_TOKENS = 16
 
 
 class CpuPlatform(Platform):
@@ -112,6 +114,13 @@ class CpuPlatform(Platform):
         return compile_with_inductor(piece, args, self.inductor_options(config))
 
     # ---------------------------------------------------------------- memory
+
+    def profile_num_tokens(self, max_num_tokens: int) -> int:
+        """A short forward: this platform measures no activation peak (its KV budget is a
+        share of free host memory), so the profiling run is a smoke test and warm-up
+        only, and the largest batch's eager forward would be start-up's longest phase on
+        a mid-size model (tens of seconds for 2048 tokens)."""
+        return min(max_num_tokens, _CPU_PROFILE_TOKENS)
 
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
