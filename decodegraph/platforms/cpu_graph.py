@@ -38,10 +38,11 @@ def compile_with_inductor(
     attributes become placeholders.
 
     The compile runs in a tracing context whose fake mode has a shape env: Inductor's FX
-    graph cache and AOTAutograd's cache keep their guards in it, and bypass themselves
-    without one, so a graph from make_fx (no dynamo) would be compiled afresh in every
-    process. Every shape is static, so there are no guards to keep.
+    graph cache keeps its guards in it, and bypasses itself without one, so a graph
+    from make_fx (no dynamo) would be compiled afresh in every process. Every shape is
+    static, so there are no guards to keep.
     """
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -68,9 +69,12 @@ def compile_with_inductor(
     # Static shapes: inputs that are already fake in the context's mode are taken as they
     # are, where real ones would get a symbol for every dimension.
     fake_args = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
+    # Not AOTAutograd's cache: a hit there skips inner_compile, and with it the direct
+    # call of Inductor's function; the FX graph cache below it still spares the lowering.
     with (
         torch.no_grad(),
         inductor_config.patch(options or {}),
+        functorch_config.patch(enable_autograd_cache=False),
         tracing(TracingContext(fake_mode)),
     ):
         wrapped = compile_fx(gm, fake_args, inner_compile=capture_inner)
