@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from decodegraph.config import CompilationConfig
 from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 
 logger = logging.getLogger("decodegraph")
@@ -25,12 +26,28 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def generate_engine_args(args: argparse.Namespace, num_prompts: int) -> EngineArgs:
+    """The engine arguments of `generate`: its batch never holds more than its prompts
+    (one sequence each), so max_num_seqs is capped there, and with it the graphs
+    captured at start-up: none is compiled for a batch the run cannot reach. The
+    largest reachable batch gets its own graph (the default sizes up to it, and it)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    reachable = max(1, min(engine_args.max_num_seqs, num_prompts))
+    engine_args.max_num_seqs = reachable
+    cc = CompilationConfig.from_any(engine_args.compilation_config)
+    if cc.cudagraph_capture_sizes is None:
+        cc.max_cudagraph_capture_size = min(cc.max_cudagraph_capture_size or reachable, reachable)
+    engine_args.compilation_config = cc
+    return engine_args
+
+
 def _generate(args: argparse.Namespace) -> int:
     from decodegraph.engine.llm_engine import LLMEngine
     from decodegraph.models.presets import is_preset
     from decodegraph.sampling_params import SamplingParams
 
-    engine_args = EngineArgs.from_cli_args(args)
+    prompts = args.prompt or [""]
+    engine_args = generate_engine_args(args, len(prompts))
     if engine_args.load_format == "dummy" or is_preset(engine_args.model):
         print(
             "NOTE: random (dummy) weights: the generated text is noise; this run shows the "
@@ -48,7 +65,6 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=args.stop,
     )
-    prompts = args.prompt or [""]
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         # An empty prompt means: start from the BOS token alone.

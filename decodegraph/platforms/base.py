@@ -27,10 +27,18 @@ def trace(
 ) -> torch.fx.GraphModule:
     """Trace `fn` into an op graph (make_fx); tensors it reads but is not given become
     constants. `decompositions` (a platform's `graph_decompositions()`) say which
-    operators the trace sees as the aten ops they stand for."""
+    operators the trace sees as the aten ops they stand for.
+
+    The trace runs on the real tensors; each node's metadata is an empty fake tensor of
+    its value's shape, made in the current tracing context's fake mode. Without a
+    context, make_fx builds a fresh fake mode for every node, which was most of a trace
+    (seconds for a 24-layer model)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with torch.no_grad():
+    fake_mode = FakeTensorMode(allow_fallback_kernels=True)
+    with torch.no_grad(), tracing(TracingContext(fake_mode)):
         return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
 
 
@@ -98,8 +106,7 @@ class Platform:
     # Default capture sizes (docs/performance.md has the measurements behind them).
     default_capture_sizes: ClassVar[list[int]] = []
     # max_num_batched_tokens with chunked prefill when none is given, by usage context
-    # (engine/arg_utils.py UsageContext); others get 2048. The profiling run is one
-    # forward of this many tokens.
+    # (engine/arg_utils.py UsageContext); others get 2048.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {}
 
     @classmethod
@@ -187,6 +194,11 @@ class Platform:
 
     def memory_allocated(self) -> int:
         return 0
+
+    def profile_num_tokens(self, max_num_tokens: int) -> int:
+        """Tokens of the start-up profiling forward: the largest batch, whose activation
+        peak (peak_memory_allocated) the KV cache budget leaves out."""
+        return max_num_tokens
 
     def reset_peak_memory(self) -> None:
         """Start a peak-memory measurement (profiling run)."""

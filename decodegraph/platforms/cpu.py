@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 # Without an explicit budget, the KV cache takes this share of available host memory.
 _CPU_KV_CACHE_SHARE = 0.25
 _CPU_KV_CACHE_MAX_BYTES = 4 << 30
+# Tokens of the start-up profiling forward (see CpuPlatform.profile_num_tokens).
+_CPU_PROFILE_TOKENS = 16
 
 
 class CpuPlatform(Platform):
@@ -33,10 +36,9 @@ class CpuPlatform(Platform):
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
     # in a process with a cold cache), so few sizes keep a cold start short.
     default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8]
-    # vLLM's CPU server default, offline too: the profiling run is an eager forward of
-    # this many tokens, which a larger default would only make start-up pay for.
+    # vLLM's CPU defaults for chunked prefill.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {
-        "LLM_CLASS": 2048,
+        "LLM_CLASS": 4096,
         "OPENAI_API_SERVER": 2048,
     }
     # Inductor options for CPU graphs; compilation_config.inductor_compile_config wins.
@@ -121,21 +123,36 @@ class CpuPlatform(Platform):
 
     # ---------------------------------------------------------------- memory
 
+    def profile_num_tokens(self, max_num_tokens: int) -> int:
+        """A short forward: this platform measures no activation peak (its KV budget is a
+        share of free host memory), so the profiling run is a smoke test and warm-up
+        only, and the largest batch's eager forward would be start-up's longest phase on
+        a mid-size model (tens of seconds for 2048 tokens)."""
+        return min(max_num_tokens, _CPU_PROFILE_TOKENS)
+
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """Zeroed, on 2 MiB pages where the kernel allows (transparent huge pages in
-        "madvise" mode): decode reads blocks scattered over tens of MB, and with 4 KiB
-        pages most block reads miss the TLB (docs/performance.md). The tensor starts on
-        a 2 MiB boundary of a slightly larger allocation, so that its first blocks (the
-        ones a fresh engine hands out first) are on huge pages too."""
-        numel = math.prod(shape)
-        per_page = _HUGE_PAGE // torch.empty((), dtype=dtype).element_size()
-        raw = torch.empty(numel + per_page, dtype=dtype, device=device)
-        skip = (-raw.data_ptr() % _HUGE_PAGE) // raw.element_size()
-        cache = raw[skip : skip + numel].view(shape)
+        """Zeroed by the kernel, not by us, and on 2 MiB pages where the kernel allows
+        (transparent huge pages in "madvise" mode).
+
+        The cache is an anonymous private mapping of its own: its pages read as zeros
+        until first written (POSIX guarantees it), so the null block and the unwritten
+        slots a padded row or a block's tail may be read through are zeros, and no
+        start-up pass touches gigabytes to zero them (a 3 GB cache took seconds). A page
+        is faulted in when decode first writes it, huge where the advice holds: decode
+        reads blocks scattered over tens of MB, and with 4 KiB pages most block reads
+        miss the TLB (docs/performance.md). The tensor starts on a 2 MiB boundary of a
+        slightly larger mapping, so that its first blocks (the ones a fresh engine
+        hands out first) are on huge pages too. The tensor holds the mapping; it is
+        unmapped with the tensor's storage."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _HUGE_PAGE
+        cache = raw[skip : skip + nbytes].view(dtype).view(shape)
         _advise_huge_pages(cache)
-        return cache.zero_()  # first touch: the pages are faulted in huge
+        return cache.to(device)  # the CPU device: the same tensor
 
     def memory_allocated(self) -> int:
         """Resident memory of this process (what graph capture adds shows up here)."""

@@ -36,9 +36,18 @@ def compile_with_inductor(
     cannot be taken (AOTAutograd merged or dropped inputs), or does not reproduce the
     wrapped one at capture, the wrapped one is used. `gm` is changed in place: its tensor
     attributes become placeholders.
+
+    The compile runs in a tracing context whose fake mode has a shape env: Inductor's FX
+    graph cache keeps its guards in it, and bypasses itself without one, so a graph
+    from make_fx (no dynamo) would be compiled afresh in every process. Every shape is
+    static, so there are no guards to keep.
     """
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils import _pytree as pytree
 
     # make_fx leaves fake values made under separate fake modes; Inductor wants one.
@@ -56,8 +65,19 @@ def compile_with_inductor(
             inner.append(compiled)
         return compiled
 
-    with torch.no_grad(), inductor_config.patch(options or {}):
-        wrapped = compile_fx(gm, args, inner_compile=capture_inner)
+    fake_mode = FakeTensorMode(static_shapes=True, shape_env=ShapeEnv())
+    # Static shapes: inputs that are already fake in the context's mode are taken as they
+    # are, where real ones would get a symbol for every dimension.
+    fake_args = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
+    # Not AOTAutograd's cache: a hit there skips inner_compile, and with it the direct
+    # call of Inductor's function; the FX graph cache below it still spares the lowering.
+    with (
+        torch.no_grad(),
+        inductor_config.patch(options or {}),
+        functorch_config.patch(enable_autograd_cache=False),
+        tracing(TracingContext(fake_mode)),
+    ):
+        wrapped = compile_fx(gm, fake_args, inner_compile=capture_inner)
     with torch.no_grad():
         expected, spec = pytree.tree_flatten(wrapped(*args))
         if len(inner) == 1:

@@ -146,11 +146,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """An eager forward of the largest batch, for peak-memory profiling and warm-up.
+        """An eager forward of the largest batch, for peak-memory profiling and warm-up
+        (of fewer tokens on a platform that measures no peak: Platform.profile_num_tokens).
 
         Its batch has no requests, so it attends nothing and writes no KV cache.
         """
-        n = self.max_num_tokens
+        n = self.platform.profile_num_tokens(self.max_num_tokens)
         self.platform.reset_peak_memory()
         before = self.platform.memory_allocated()
         self._set_eager_metadata(InputBatch.make_dummy(0, n, False, self.buffers))

@@ -20,7 +20,7 @@ from tests.utils.checkpoints import make_checkpoint
         ("cuda", UsageContext.LLM_CLASS, 16384),
         ("cuda", UsageContext.OPENAI_API_SERVER, 8192),
         ("cuda", UsageContext.ENGINE_CONTEXT, 2048),
-        ("cpu", UsageContext.LLM_CLASS, 2048),
+        ("cpu", UsageContext.LLM_CLASS, 4096),
         ("cpu", UsageContext.OPENAI_API_SERVER, 2048),
     ],
 )

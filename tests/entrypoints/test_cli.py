@@ -12,7 +12,7 @@ import pytest
 from decodegraph.attention.backends.base import AttentionCGSupport
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.attention.selector import ENV_VAR
-from decodegraph.entrypoints.cli import main
+from decodegraph.entrypoints.cli import build_parser, generate_engine_args, main
 from tests.conftest import STORIES_GREEDY_TEXT
 from tests.utils.platforms import registered_backend
 
@@ -165,3 +165,34 @@ def test_graphs_prints_a_readable_table_with_the_reason_of_a_downgrade(
     assert lines["graphs"] == "14, FULL: 2, PIECEWISE: 12"
     assert lines["capture"].endswith("MiB") and lines["start-up"].startswith("load ")
     assert "FULL          decode" in out and "PIECEWISE     mixed" in out
+
+
+def _generate_capture_sizes(argv: list[str]) -> list[int]:
+    """The sizes an engine built by `generate` with these flags would capture."""
+    from decodegraph.engine.arg_utils import UsageContext
+    from decodegraph.graphs.graph_runner import GraphRunner
+    from decodegraph.platforms.cpu import CpuPlatform
+
+    args = build_parser().parse_args(["generate", *argv])
+    engine_args = generate_engine_args(args, len(args.prompt or [""]))
+    config = engine_args.create_engine_config(UsageContext.LLM_CLASS)
+    runner = GraphRunner(config, CpuPlatform(), None, {}, None)  # type: ignore[arg-type]
+    runner.resolve()
+    return sorted(key.num_tokens for _, key in runner.dispatcher.all_keys())
+
+
+@pytest.mark.parametrize(
+    ("prompts", "sizes"),
+    [(0, [1]), (1, [1]), (3, [1, 2, 3]), (4, [1, 2, 4]), (20, [1, 2, 4, 8, 20])],
+)
+def test_generate_captures_only_the_batch_sizes_its_prompts_can_reach(
+    stories_dir: Path, prompts: int, sizes: list[int]
+) -> None:
+    argv = ["--model", str(stories_dir)] + [f"--prompt=p{i}" for i in range(prompts)]
+    assert _generate_capture_sizes(argv) == sizes
+
+
+def test_generate_keeps_explicit_capture_sizes_up_to_its_batch(stories_dir: Path) -> None:
+    argv = ["--model", str(stories_dir), "--prompt=a", "--prompt=b"]
+    config = '{"cudagraph_capture_sizes": [1, 2, 16]}'
+    assert _generate_capture_sizes([*argv, "--compilation-config", config]) == [1, 2]

@@ -103,3 +103,28 @@ def test_an_inductor_argmax_picks_the_first_maximum_like_the_sampler() -> None:
     graph = CpuGraph("g", lambda x: (x * 1, x.argmax(dim=-1)), [logits], use_inductor=True)
     _, ids = graph.replay()
     assert torch.equal(ids, greedy(logits))
+
+
+def test_a_graph_compiled_again_is_loaded_from_inductors_cache_not_regenerated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second engine (here: a second compile of the same trace over new tensors of the
+    same shapes) loads the graph from the FX graph cache instead of lowering it again."""
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import fresh_cache
+
+    lowerings: list[int] = []
+    compile_to_module = GraphLowering.compile_to_module
+
+    def counted(self: GraphLowering) -> object:
+        lowerings.append(1)
+        return compile_to_module(self)
+
+    monkeypatch.setattr(GraphLowering, "compile_to_module", counted)
+    with fresh_cache():
+        first = CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
+        x, w = torch.randn(4, 8), torch.randn(8, 8)
+        second = CpuGraph("g", _affine, [x, w], True)
+    assert len(lowerings) == 1
+    torch.testing.assert_close(second.replay(), _affine(x, w))
+    assert first.replay().shape == (4, 8)

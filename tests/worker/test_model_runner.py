@@ -99,3 +99,27 @@ def test_sampling_statics_are_cached_per_runner(stories_dir: Path) -> None:
     cached = first._sampling_statics._last
     assert cached is not None and [s.req_id for s in cached[0]] == ["0", "1", "2"]
     assert second._sampling_statics._last is None
+
+
+class _PeakMeasuringCpuPlatform(type(get_platform("cpu"))):
+    """The CPU platform as a device platform profiles: the largest batch."""
+
+    def profile_num_tokens(self, max_num_tokens: int) -> int:
+        return max_num_tokens
+
+
+@pytest.mark.parametrize("measures_peak", [False, True])
+def test_the_profiling_forward_is_the_largest_batch_only_where_a_peak_is_measured(
+    stories_dir: Path, measures_peak: bool
+) -> None:
+    config = EngineArgs(
+        model=str(stories_dir), max_model_len=64, max_num_batched_tokens=512, enforce_eager=True
+    ).create_engine_config()
+    platform = _PeakMeasuringCpuPlatform() if measures_peak else get_platform("cpu")
+    runner = ModelRunner(config, platform, config.model_config.hf_config)
+    runner.load_model(config.model_config.model_path)
+    seen: list[int] = []
+    runner.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+    runner.profile_run()
+    assert seen == [512 if measures_peak else platform.profile_num_tokens(512)]
+    assert seen[0] == 512 or seen[0] < 64

@@ -1,0 +1,183 @@
+"""Start-up time: from a fresh process to the first generated token, cold and warm.
+
+Each run is a fresh Python process that builds an engine and generates one token. A
+cold run has an empty Inductor cache directory (TORCHINDUCTOR_CACHE_DIR, a new temporary
+directory per round), a warm run the directory its cold run filled. The phases are the
+engine's own ("Engine ready in ... (load, profile, KV cache, capture)" in its start-up
+log line); "import" is importing decodegraph, "engine" building the engine (the phases,
+the tokenizer and the rest), "first token" the generate call after start-up. Rounds alternate cold and warm; the table shows medians.
+
+    .venv/bin/python benchmarks/bench_startup.py                     # stories260K, demo
+    .venv/bin/python benchmarks/bench_startup.py --cases qwen2.5-0.5b-shape --rounds 1
+
+Cases: `stories260K` (the bundled model, default graph mode, LLM class defaults),
+`demo` (`decodegraph generate --max-tokens 61`, as `make demo`: wall time of the whole
+command, and when its first token came is not separable, so phases are the engine's),
+`qwen2.5-0.5b-shape` (Qwen2.5-0.5B's config, fp32, random weights: load_format dummy).
+Results go to benchmarks/results/bench_startup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "bench_startup.json"
+READY = re.compile(r"Engine ready in ([\d.]+) s \(([^)]*)\)")
+
+# Qwen2.5-0.5B's shapes (its config.json, less the tokenizer's files).
+QWEN2_5_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 24,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+
+_CHILD = """
+import json, logging, sys, time
+t0 = time.perf_counter()
+logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
+from decodegraph.entrypoints.llm import LLM
+from decodegraph.sampling_params import SamplingParams
+t1 = time.perf_counter()
+llm = LLM(**json.loads(sys.argv[1]))
+t2 = time.perf_counter()
+llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+t3 = time.perf_counter()
+print("RESULT " + json.dumps({"import": t1 - t0, "engine": t2 - t1, "first token": t3 - t2}))
+"""
+
+
+def _case_command(case: str, model_dir: Path | None) -> list[str]:
+    python = sys.executable
+    if case == "demo":
+        return [python, "-m", "decodegraph", "generate", "--max-tokens", "61"]
+    if case == "stories260K":
+        kwargs: dict[str, object] = {"model": "stories260K"}
+    else:
+        kwargs = {
+            "model": str(model_dir),
+            "load_format": "dummy",
+            "skip_tokenizer_init": True,
+            "dtype": "float32",
+            # As in the issue's measurement: a 3 GiB cache (a fixed size, not a share of
+            # whatever memory this machine has free).
+            "kv_cache_memory_bytes": 3 << 30,
+        }
+    return [python, "-c", _CHILD, json.dumps(kwargs)]
+
+
+def _run(command: list[str], cache_dir: str) -> dict[str, float]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{command[:4]} failed:\n{proc.stderr[-3000:]}")
+    out: dict[str, float] = {"total": wall}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out.update(json.loads(line[len("RESULT ") :]))
+    ready = READY.search(proc.stderr)
+    if ready:
+        for part in ready.group(2).split(", "):
+            name, seconds, _ = part.rsplit(" ", 2)
+            out[name] = float(seconds)
+    return out
+
+
+def _cpu() -> dict[str, str]:
+    info = {"machine": platform.machine(), "cores": str(os.cpu_count())}
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("Model name:"):
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("Flags:"):
+            flags = line.split()
+            isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
+            info["isa"] = isa
+    return info
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["stories260K", "demo"],
+        choices=["stories260K", "demo", "qwen2.5-0.5b-shape"],
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
+        model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(QWEN2_5_0_5B))
+        for r in range(args.rounds):
+            for case in args.cases:
+                cache = tempfile.mkdtemp(prefix=f"inductor_{r}_", dir=tmp)
+                runs = results.setdefault(case, {"cold": [], "warm": []})
+                command = _case_command(case, model_dir)
+                for kind in ("cold", "warm"):
+                    runs[kind].append(_run(command, cache))
+                    print(
+                        f"round {r + 1} {case} {kind}: {runs[kind][-1]['total']:.1f} s", flush=True
+                    )
+
+    columns = ["total", "import", "engine", "load", "profile", "KV cache", "capture", "first token"]
+    print(f"\nmedians of {args.rounds} round(s), seconds")
+    print(f"{'case':<22}{'cache':<7}" + "".join(f"{c:>13}" for c in columns))
+    summary: dict[str, dict[str, dict[str, float]]] = {}
+    for case, runs in results.items():
+        for kind, rows in runs.items():
+            med = {c: statistics.median(row[c] for row in rows) for c in columns if c in rows[0]}
+            summary.setdefault(case, {})[kind] = med
+            cells = "".join(f"{med[c]:>13.1f}" if c in med else f"{'-':>13}" for c in columns)
+            print(f"{case:<22}{kind:<7}{cells}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "cpu": _cpu(),
+                "rounds": args.rounds,
+                "median_seconds": summary,
+                "runs": results,
+            },
+            indent=2,
+        )
+    )
+    print(f"saved {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
