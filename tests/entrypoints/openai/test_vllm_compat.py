@@ -147,7 +147,10 @@ def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI) -> None:
     )
     with_text = [c for c in chunks if c.choices]
     assert all(c.usage is not None for c in chunks)
-    assert [c.usage.completion_tokens for c in with_text] == list(range(1, len(with_text) + 1))
+    counts = [c.usage.completion_tokens for c in with_text]
+    # Cumulative: a chunk may carry several tokens (outputs that piled up behind a busy
+    # client are merged), but every chunk counts all sent so far.
+    assert counts == sorted(set(counts)) and counts[0] >= 1 and counts[-1] == 5
     assert chunks[-1].usage.completion_tokens == 5
     chat = list(
         client.chat.completions.create(
