@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from decodegraph.engine.async_llm import AsyncLLM, EngineDeadError
 from decodegraph.entrypoints.openai.logprobs import LogprobFormatter
 from decodegraph.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, StreamOptions
-from decodegraph.outputs import Logprob, RequestOutput
+from decodegraph.outputs import RequestOutput
 from decodegraph.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -161,14 +161,6 @@ class OpenAIServing:
         if as_ids is None:
             as_ids = self.return_tokens_as_token_ids
         return LogprobFormatter(self.tokenizer, as_ids)
-
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
-        """A token's text for logprobs: the engine's decoding, else the tokenizer's."""
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
 
 
 def check_stream_options(stream: bool, options: StreamOptions | None) -> None:
