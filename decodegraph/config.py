@@ -127,6 +127,8 @@ class SchedulerConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    worker_cls: str = "decodegraph.worker.worker.Worker"
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

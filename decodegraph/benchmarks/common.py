@@ -57,7 +57,7 @@ def engines_per_mode(args: Any, max_batch: int) -> tuple[Any, dict[str, Any], in
         start = time.perf_counter()
         engines[mode] = make_llm(engine_args_for_mode(base, mode, **overrides))
         print(f"{mode}: engine ready in {time.perf_counter() - start:.1f} s", flush=True)
-    vocab_size = next(iter(engines.values())).llm_engine.runner.vocab_size
+    vocab_size = next(iter(engines.values())).llm_engine.vocab_size
     return base, engines, vocab_size
 
 

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     rows = []
     for mode in modes:
-        runner = engines[mode].llm_engine.runner
+        engine = engines[mode].llm_engine
         per_size = {}
         for size in sizes:
             stats = summary(latencies[mode][size])
@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
             )
         results[mode] = {
-            "resolved_mode": runner.graph_runner.mode.name,
-            "num_graphs": runner.graph_runner.stats.num_graphs,
+            "resolved_mode": engine.graph_mode.name,
+            "num_graphs": engine.capture_stats.num_graphs,
             "batch_sizes": per_size,
         }
     print_table(["mode", "batch", "avg ms", "p50 ms", "p99 ms", "output tok/s"], rows)

@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results, rows = {}, []
     for mode in modes:
         elapsed = statistics.median(seconds[mode])
-        graph_runner = engines[mode].llm_engine.runner.graph_runner
+        engine = engines[mode].llm_engine
         results[mode] = {
-            "resolved_mode": graph_runner.mode.name,
+            "resolved_mode": engine.graph_mode.name,
             "elapsed_time": elapsed,
             "runs": seconds[mode],
             "requests_per_s": args.num_prompts / elapsed,

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from decodegraph.engine.llm_engine import EngineDeadError
 from decodegraph.metrics import EngineMetrics
 from decodegraph.outputs import RequestOutput
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 _STATS_INTERVAL_S = 0.05
 # Exceptions from add_request that mean "this request is bad", not "the engine is broken".
 _BAD_REQUEST_ERRORS = (ValueError, TypeError, OverflowError)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed in a step; no request can be served any more."""
 
 
 class RequestOutputCollector:
@@ -133,15 +130,23 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        """True once the engine thread has died (a step raised) or was shut down."""
-        return self._dead is not None or not self._thread.is_alive()
+        """True once the engine thread has died (a step raised), a worker is gone, or
+        the engine was shut down."""
+        try:
+            self.check_health()
+        except EngineDeadError:
+            return True
+        return False
 
     def check_health(self) -> None:
-        """Raise `EngineDeadError` unless the engine thread is alive and well."""
+        """Raise `EngineDeadError` unless the engine thread and its workers are alive."""
         if self._dead is not None:
             raise EngineDeadError(f"engine failed: {self._dead!r}")
         if not self._thread.is_alive():
             raise EngineDeadError("engine thread is not running")
+        engine_health = getattr(self.engine, "check_health", None)
+        if engine_health is not None:
+            engine_health()
 
     async def add_request(
         self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
@@ -218,6 +223,9 @@ class AsyncLLM:
         if self._thread.is_alive():
             self._commands.put(("shutdown",))
             self._thread.join(timeout)
+        engine_shutdown = getattr(self.engine, "shutdown", None)
+        if engine_shutdown is not None:
+            engine_shutdown()
 
     # --- engine thread ---------------------------------------------------------------
 

@@ -1,7 +1,12 @@
 """The synchronous engine: requests in, one scheduled and executed step at a time.
 
-step():  scheduler.schedule() -> model_runner.execute_model() ->
+step():  scheduler.schedule() -> dispatcher (the step's plan) ->
+         executor.execute_model() (every rank's model runner) ->
          scheduler.update_from_output() -> output_processor (detokenize, stop strings)
+
+The engine lives in the driver; the model runners live in the executor's workers (in
+this process at tensor_parallel_size 1). The driver's dispatcher decides each step's
+runtime mode and padded key once, and every rank runs that plan (docs/design.md §8).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +27,11 @@ from decodegraph.core.kv_cache_utils import kv_cache_block_counts
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 from decodegraph.engine.output_processor import OutputProcessor
+from decodegraph.executor.abstract import Executor
+from decodegraph.forward_context import BatchDescriptor
+from decodegraph.graphs.dispatcher import CudagraphDispatcher
+from decodegraph.graphs.graph_runner import CaptureStats
+from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
 from decodegraph.request import Request, RequestStatus
@@ -28,6 +39,7 @@ from decodegraph.sampling_params import SamplingParams
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.tokenizer import get_tokenizer
 from decodegraph.worker.model_runner import ModelRunner
+from decodegraph.worker.worker import GraphInfo, KVCacheInfo, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +64,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
 
 
+class EngineDeadError(RuntimeError):
+    """A step failed (a worker died or raised): the engine serves nothing any more."""
+
+
 class LLMEngine:
-    """Owns the tokenizer, scheduler, model runner and output processor."""
+    """Owns the tokenizer, scheduler, dispatcher, executor and output processor."""
 
     def __init__(self, config: EngineConfig) -> None:
         mc, cc = config.model_config, config.cache_config
@@ -61,7 +77,6 @@ class LLMEngine:
         self.model_config = mc
         self.platform = get_platform(config.device_config.device)
         self.platform.check_and_update_config(config)
-        self.platform.configure_process()
         torch.manual_seed(mc.seed)
         self.tokenizer = get_tokenizer(mc, mc.model_path)
         self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
@@ -72,7 +87,9 @@ class LLMEngine:
             [t for t in eos_ids if t is not None],
             config.structured_outputs_config,
         )
-        self.runner = ModelRunner(config, self.platform, mc.hf_config, self.structured_output)
+        self.vocab_size: int = mc.hf_config.vocab_size
+        # Set when a step failed; every later step raises EngineDeadError with it.
+        self.dead: BaseException | None = None
         phases: dict[str, float] = {}
         start = last = time.perf_counter()
 
@@ -82,30 +99,63 @@ class LLMEngine:
             phases[name] = now - last
             last = now
 
-        self.runner.load_model(mc.model_path)
-        phase("load")
-        self.runner.profile_run()
-        phase("profile")
-        num_blocks = self._num_kv_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        phase("KV cache")
-        mode = self.runner.resolve_graph_mode()
-        stats = self.runner.capture_graphs()
-        phase("capture")
+        self.executor: Executor = Executor.get_class(config)(config)
+        driver_worker = getattr(self.executor, "driver_worker", None)
+        if driver_worker is not None:
+            self.platform = driver_worker.platform  # one instance per process
+        try:
+            self.ranks: list[RankInfo] = self.executor.collective_rpc("describe")
+            self.executor.collective_rpc("init_structured_output", (self.structured_output,))
+            self.executor.collective_rpc("load_model")
+            phase("load")
+            self.executor.collective_rpc("profile_run")
+            phase("profile")
+            num_blocks = self._num_kv_blocks(self.executor.collective_rpc("get_kv_cache_info"))
+            self.executor.collective_rpc("initialize_kv_cache", (num_blocks,))
+            phase("KV cache")
+            graph_info = self._graph_info(self.executor.collective_rpc("resolve_graph_mode"))
+            stats: list[CaptureStats] = self.executor.collective_rpc("capture_graphs")
+            phase("capture")
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.graph_info = graph_info
+        self.graph_mode: CUDAGraphMode = graph_info.mode
+        self.num_blocks_per_group = num_blocks
+        # The one dispatcher of the engine: each step's plan, sent to every rank.
+        self.dispatcher = CudagraphDispatcher(
+            graph_info.mode, graph_info.capture_sizes, graph_info.max_num_reqs
+        )
+        # (step kind, runtime mode) -> steps; step kind is "decode" or "mixed".
+        self.mode_counts: Counter[tuple[str, str]] = Counter()
+        self.capture_stats = stats[0]
         # Start-up phases and their seconds, for logs and `decodegraph graphs`.
         self.startup_seconds = phases
-        groups = self.runner.kv_cache_groups
+        groups = self.kv_cache_groups
         logger.info(
             "Engine ready in %.1f s (%s): %s, KV blocks of %d tokens: %s; graph mode %s "
-            "(%d graphs)",
+            "(%d graphs%s)",
             time.perf_counter() - start,
             ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
             mc.model,
             cc.block_size,
             ", ".join(f"{g.name} {n - 1}" for g, n in zip(groups, num_blocks, strict=True)),
-            mode.name,
-            stats.num_graphs,
+            graph_info.mode.name,
+            stats[0].num_graphs,
+            " per rank" if len(stats) > 1 else "",
         )
+        if len(self.ranks) > 1:
+            logger.info(
+                "Tensor parallel: %d ranks, executor %s, %s; %s",
+                len(self.ranks),
+                config.parallel_config.distributed_executor_backend,
+                self.platform.dist_backend,
+                "; ".join(
+                    f"rank {r.rank} on {r.host} pid {r.pid} {r.device} ({r.threads} threads, "
+                    f"{s.num_graphs} graphs)"
+                    for r, s in zip(self.ranks, stats, strict=True)
+                ),
+            )
         self.scheduler = Scheduler(
             config.scheduler_config, cc, mc.max_model_len, num_blocks, groups
         )
@@ -120,35 +170,32 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- start-up
 
-    def _num_kv_blocks(self) -> list[int]:
-        """KV blocks per KV cache group: `num_gpu_blocks_override` each when given;
-        else `kv_cache_memory_bytes`, or the platform's budget less the attention
-        workspace and the graph pool (allocated after the KV cache), shared out between
-        the groups (core/kv_cache_utils.py)."""
-        cc, runner = self.config.cache_config, self.runner
-        groups = runner.kv_cache_groups
-        per_block = [runner.kv_cache_bytes_per_block(g) for g in range(len(groups))]
+    def _num_kv_blocks(self, infos: list[KVCacheInfo]) -> list[int]:
+        """KV blocks per KV cache group, the same on every rank: `num_gpu_blocks_override`
+        each when given; else `kv_cache_memory_bytes` (a rank's), or the smallest of
+        the ranks' budgets (the platform's, less the attention workspace and the graph
+        pool, allocated after the KV cache), shared out between the groups
+        (core/kv_cache_utils.py)."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        info = infos[0]
+        groups = self.kv_cache_groups = info.groups
+        per_block = info.bytes_per_block
         if cc.num_gpu_blocks_override is not None:
             counts = [cc.num_gpu_blocks_override] * len(groups)
         else:
             if cc.kv_cache_memory_bytes is not None:
                 budget = cc.kv_cache_memory_bytes
             else:
-                budget = self.platform.available_kv_cache_memory(
-                    cc.gpu_memory_utilization, self.platform.memory_allocated()
-                )
-                budget -= runner.workspace_bytes()
-                if not self.config.enforce_eager:
-                    budget -= runner.profile_peak_bytes
+                budget = min(i.available_bytes for i in infos)
             counts = kv_cache_block_counts(
                 groups,
                 per_block,
                 budget,
-                runner.max_num_reqs,
-                runner.max_num_tokens,
+                sc.max_num_seqs,
+                sc.max_num_batched_tokens,
                 self.model_config.max_model_len,
             )
-        needed = runner.max_blocks_per_seq + 1  # one full-length sequence plus the null block
+        needed = info.max_blocks_per_seq + 1  # one full-length sequence plus the null block
         for group, count, size in zip(groups, counts, per_block, strict=True):
             if isinstance(group.spec, SlidingWindowSpec) or count >= needed:
                 continue
@@ -165,6 +212,29 @@ class LLMEngine:
                 f"(each block is {size} bytes); raise the budget or lower max_model_len"
             )
         return counts
+
+    @staticmethod
+    def _graph_info(infos: list[GraphInfo]) -> GraphInfo:
+        """Rank 0's resolved mode and sizes; every rank must have resolved the same."""
+        for rank, info in enumerate(infos[1:], start=1):
+            if (info.mode, info.capture_sizes) != (infos[0].mode, infos[0].capture_sizes):
+                raise RuntimeError(
+                    f"rank {rank} resolved graph mode {info.mode.name} with capture sizes "
+                    f"{info.capture_sizes}, rank 0 {infos[0].mode.name} with "
+                    f"{infos[0].capture_sizes}: every rank must replay the same graphs"
+                )
+        return infos[0]
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, where it shares this process (tensor_parallel_size 1)."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError(
+                "the model runners live in the executor's worker processes "
+                f"(tensor_parallel_size {self.config.parallel_config.tensor_parallel_size})"
+            )
+        return worker.runner
 
     def _eos_token_ids(self) -> tuple[int | None, list[int]]:
         """The model's EOS id and any further ones it lists.
@@ -235,7 +305,7 @@ class LLMEngine:
             # Compiled (and cached) now, so an invalid spec fails before anything is queued.
             self.structured_output.compile(params.structured_outputs)
         text, ids = self._tokenize(prompt)
-        max_len, vocab = self.model_config.max_model_len, self.runner.vocab_size
+        max_len, vocab = self.model_config.max_model_len, self.vocab_size
         if not ids:
             raise ValueError("prompt: the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
@@ -300,22 +370,54 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the outputs of requests that progressed."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.dead}") from self.dead
         sched_out = self.scheduler.schedule()
-        if sched_out.total_num_scheduled_tokens == 0:
+        num_tokens = sched_out.total_num_scheduled_tokens
+        if num_tokens == 0:
             return []
-        runner_out = self.runner.execute_model(sched_out)
+        num_reqs = sched_out.num_reqs
+        uniform = num_tokens == num_reqs
+        plan = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
+        self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
+        try:
+            runner_out = self.executor.execute_model(sched_out, plan)
+        except BaseException as e:
+            self._fail(e)
+            raise
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
+    def _fail(self, error: BaseException) -> None:
+        """After a failed step: no step runs again, and the workers are stopped (a rank
+        may be waiting in a collective for one that is gone)."""
+        self.dead = error
+        logger.error("step failed, the engine stops: %s", error)
+        self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError once a step failed or a worker is gone."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed: {self.dead}")
+        try:
+            self.executor.check_health()
+        except Exception as e:
+            self._fail(e)
+            raise EngineDeadError(f"the engine failed: {e}") from e
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        self.executor.shutdown()
+
     # ---------------------------------------------------------------- introspection
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         graph_runs: dict[str, int] = {}
-        for (_, mode), count in self.runner.graph_runner.mode_counts.items():
+        for (_, mode), count in self.mode_counts.items():
             graph_runs[mode] = graph_runs.get(mode, 0) + count
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -326,7 +428,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self.scheduler.num_generated_tokens,
             graph_runs=graph_runs,
-            mode_counts=dict(self.runner.graph_runner.mode_counts),
+            mode_counts=dict(self.mode_counts),
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -90,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     steps = ", ".join(f"{mode} {n}" for mode, n in sorted(stats.graph_runs.items()))
     print(
         f"--- {num_tokens} tokens in {elapsed:.3f} s ({num_tokens / elapsed:,.0f} tokens/s); "
-        f"graph mode {engine.runner.graph_runner.mode.name}; steps by mode: {steps}"
+        f"graph mode {engine.graph_mode.name}; steps by mode: {steps}"
     )
     return 0
 
@@ -149,11 +149,9 @@ def _graphs(args: argparse.Namespace) -> int:
 
 def graphs_report(engine: object) -> dict:
     """What `decodegraph graphs` prints, as a dict (its --json output)."""
-    runner = engine.runner
-    graph_runner = runner.graph_runner
-    cs = graph_runner.stats
+    info, cs = engine.graph_info, engine.capture_stats
     keys = []
-    for mode, descriptors in graph_runner.dispatcher.keys.items():
+    for mode, descriptors in engine.dispatcher.keys.items():
         if not descriptors:
             continue
         # A runtime mode's keys are all uniform decode keys or all mixed ones.
@@ -168,29 +166,30 @@ def graphs_report(engine: object) -> dict:
     return {
         "model": engine.config.model_config.model,
         "platform": engine.platform.name,
-        "attention_backend": runner.attn_backend.name,
-        "attention_cudagraph_support": runner.attn_backend.cudagraph_support.name,
+        "attention_backend": info.attention_backend,
+        "attention_cudagraph_support": info.attention_cudagraph_support,
         "requested_mode": (
             "NONE (enforce_eager)"
             if engine.config.enforce_eager
             else engine.config.compilation_config.cudagraph_mode.name
         ),
-        "resolved_mode": graph_runner.mode.name,
-        "resolution": graph_runner.mode_reasons,
-        "capture_sizes": graph_runner.dispatcher.capture_sizes,
+        "resolved_mode": info.mode.name,
+        "resolution": info.reasons,
+        "capture_sizes": engine.dispatcher.capture_sizes,
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
         "keys": keys,
         "capture_seconds": round(cs.seconds, 3),
         "capture_memory_bytes": cs.memory_bytes,
         "startup_seconds": {k: round(v, 3) for k, v in engine.startup_seconds.items()},
-        "kv_cache_blocks": runner.num_blocks_per_group[0] - 1,
+        "kv_cache_blocks": engine.num_blocks_per_group[0] - 1,
         # KV cache group name -> its usable blocks (a sliding-window group needs few).
         "kv_cache_groups": {
             g.name: n - 1
-            for g, n in zip(runner.kv_cache_groups, runner.num_blocks_per_group, strict=True)
+            for g, n in zip(engine.kv_cache_groups, engine.num_blocks_per_group, strict=True)
         },
-        "block_size": runner.block_size,
+        "block_size": engine.config.cache_config.block_size,
+        "tensor_parallel_size": len(engine.ranks),
     }
 
 

@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 from decodegraph.forward_context import BatchDescriptor
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
+
+
+class StepPlan(NamedTuple):
+    """A step's runtime mode and padded key, as the driver's dispatcher decided them.
+
+    Under tensor parallelism it travels with the step to every rank, so that all ranks
+    replay the same graph, or all run eager (docs/design.md §8)."""
+
+    mode: RuntimeMode
+    key: BatchDescriptor
+
+
+class StepPlanError(RuntimeError):
+    """A rank's own graphs do not match the driver's plan for a step."""
 
 
 class CudagraphDispatcher:
@@ -51,17 +66,17 @@ class CudagraphDispatcher:
         """The smallest capture size >= num_tokens, or None when none is."""
         return self._pad(self.capture_sizes, num_tokens)
 
-    def dispatch(self, desc: BatchDescriptor) -> tuple[RuntimeMode, BatchDescriptor]:
+    def dispatch(self, desc: BatchDescriptor) -> StepPlan:
         """The runtime mode and key for one step's (unpadded) batch."""
         if desc.uniform and self._uniform_full:
             padded = self._pad(self.decode_sizes, desc.num_tokens)
             if padded is not None:
-                return RuntimeMode.FULL, BatchDescriptor(padded, padded, True)
+                return StepPlan(RuntimeMode.FULL, BatchDescriptor(padded, padded, True))
         mixed = self.mode.mixed_mode()
         padded = self.padded_size(desc.num_tokens)
         if mixed is RuntimeMode.NONE or padded is None:
-            return RuntimeMode.NONE, desc
-        return mixed, BatchDescriptor(padded, None, False)
+            return StepPlan(RuntimeMode.NONE, desc)
+        return StepPlan(mixed, BatchDescriptor(padded, None, False))
 
     def all_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
         """Every (mode, key) to capture, largest first (later graphs reuse the pool)."""

@@ -36,7 +36,7 @@ from decodegraph.forward_context import (
     ForwardContext,
     set_forward_context,
 )
-from decodegraph.graphs.dispatcher import CudagraphDispatcher
+from decodegraph.graphs.dispatcher import CudagraphDispatcher, StepPlan, StepPlanError
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
 from decodegraph.graphs.piecewise import PiecewiseGraph
 from decodegraph.platforms.base import DeviceGraph, Platform
@@ -75,6 +75,7 @@ class GraphRunner:
         buffers: InputBuffers,
         attn_groups: dict[str, AttentionBackend],
         eager_context: ForwardContext,
+        rank: int = 0,
     ) -> None:
         sc = config.scheduler_config
         self.config = config
@@ -86,6 +87,8 @@ class GraphRunner:
         # The context steps run in (each layer's backend); captures bake a params id in.
         self._eager_context = eager_context
         self.max_num_reqs: int = sc.max_num_seqs
+        # This rank's tensor-parallel rank, for errors.
+        self.rank = rank
         self.max_num_tokens: int = sc.max_num_batched_tokens
         self.mode = CUDAGraphMode.NONE
         # Why the mode differs from the requested one (one line per downgrade).
@@ -258,12 +261,22 @@ class GraphRunner:
     # ---------------------------------------------------------------- per step
 
     def dispatch(
-        self, num_tokens: int, num_reqs: int, uniform: bool
-    ) -> tuple[RuntimeMode, BatchDescriptor]:
-        """The runtime mode and padded key for a batch, counted per kind of step."""
-        mode, key = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
-        self.mode_counts[("decode" if uniform else "mixed", mode.name)] += 1
-        return mode, key
+        self, num_tokens: int, num_reqs: int, uniform: bool, plan: StepPlan | None = None
+    ) -> StepPlan:
+        """The runtime mode and padded key for a batch, counted per kind of step.
+
+        With the driver's `plan` this rank's own decision must be the same: a rank whose
+        graphs differ (other capture sizes, another mode) refuses the step rather than
+        run eager while the others replay, or replay another size."""
+        own = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
+        if plan is not None and own != plan:
+            raise StepPlanError(
+                f"rank {self.rank}: the driver planned {plan.mode.name} {tuple(plan.key)} for "
+                f"{num_reqs} requests, {num_tokens} tokens, but this rank's graphs give "
+                f"{own.mode.name} {tuple(own.key)}"
+            )
+        self.mode_counts[("decode" if uniform else "mixed", own.mode.name)] += 1
+        return own
 
     def replay(
         self, mode: RuntimeMode, key: BatchDescriptor, metadata: dict[str, AttentionMetadata]

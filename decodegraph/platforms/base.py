@@ -122,6 +122,9 @@ class Platform:
     def configure_process(self) -> None:
         """Process-wide settings the platform wants before the engine starts."""
 
+    def set_device(self, local_rank: int) -> None:
+        """Make the `local_rank`-th device of this host the process's (one per rank)."""
+
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
@@ -188,8 +191,11 @@ class Platform:
         """One layer's K or V cache, zeroed."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
-        """Bytes the KV cache may take, after weights, activations and graphs."""
+    def available_kv_cache_memory(
+        self, gpu_memory_utilization: float, used_bytes: int, num_local_ranks: int = 1
+    ) -> int:
+        """Bytes the KV cache of one rank may take, after weights, activations and
+        graphs (`num_local_ranks` ranks share this host)."""
         raise NotImplementedError
 
     def memory_allocated(self) -> int:

@@ -162,9 +162,13 @@ class CpuPlatform(Platform):
             return 0
         return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
-    def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
+    def available_kv_cache_memory(
+        self, gpu_memory_utilization: float, used_bytes: int, num_local_ranks: int = 1
+    ) -> int:
+        """A share of free host memory, split between the ranks of this host."""
         pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return min(int(pages * _CPU_KV_CACHE_SHARE), _CPU_KV_CACHE_MAX_BYTES)
+        total = min(int(pages * _CPU_KV_CACHE_SHARE), _CPU_KV_CACHE_MAX_BYTES)
+        return total // num_local_ranks
 
 
 _MADV_HUGEPAGE = 14

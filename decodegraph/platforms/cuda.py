@@ -126,7 +126,15 @@ class CudaPlatform(Platform):
             weak_outputs,
         )
 
-    def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def available_kv_cache_memory(
+        self, gpu_memory_utilization: float, used_bytes: int, num_local_ranks: int = 1
+    ) -> int:
         free, total = torch.cuda.mem_get_info()
         # The budget is a share of the whole device; what the process already holds
         # (weights, profiled activations, graph pool) comes out of it.

@@ -57,6 +57,21 @@ class StructuredOutputManager:
         self._compile_lock = threading.Lock()
         self.num_compiled = 0
 
+    def __getstate__(self) -> dict:
+        """What a worker process gets: the tokenizer and settings, not the compiled
+        grammars, the backend or the locks (it compiles each spec once itself)."""
+        return {
+            "config": self.config,
+            "tokenizer": self.tokenizer,
+            "vocab_size": self.vocab_size,
+            "stop_token_ids": self.stop_token_ids,
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(
+            state["tokenizer"], state["vocab_size"], state["stop_token_ids"], state["config"]
+        )
+
     @property
     def backend(self):  # noqa: ANN201 - the backend module loads on first use
         if self._backend is None:

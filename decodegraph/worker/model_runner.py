@@ -22,12 +22,14 @@ from decodegraph.attention.selector import get_attn_backend
 from decodegraph.config import EngineConfig
 from decodegraph.core.kv_cache_spec import KVCacheGroupSpec
 from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from decodegraph.distributed.parallel_state import get_tp_group
 from decodegraph.forward_context import (
     EAGER_PARAMS_ID,
     BatchDescriptor,
     ForwardContext,
     set_forward_context,
 )
+from decodegraph.graphs.dispatcher import StepPlan
 from decodegraph.graphs.graph_runner import CaptureStats, GraphRunner
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
 from decodegraph.models.llama import get_head_dim
@@ -82,6 +84,8 @@ class ModelRunner:
         self.buffers: InputBuffers | None = None
         self.graph_runner: GraphRunner | None = None
         self.sampler = Sampler()
+        # This rank's tensor-parallel group: rank 0 samples for all (world size 1: alone).
+        self.tp_group = get_tp_group()
         self._sampling_statics = BatchStaticsCache()
         # What the runner knows of each request (from the scheduler's data only).
         self.requests = RequestStates(self.device, structured_output)
@@ -93,6 +97,11 @@ class ModelRunner:
         self.profile_peak_bytes = 0
 
     # ---------------------------------------------------------------- start-up
+
+    def set_structured_output(self, manager: StructuredOutputManager | None) -> None:
+        """The manager that gives grammar requests their matchers and masks."""
+        self.structured_output = manager
+        self.requests.structured_output = manager
 
     def load_model(self, path: object = None) -> None:
         """Load the weights, then set up what follows from the model's attention groups."""
@@ -119,7 +128,12 @@ class ModelRunner:
             num_kv_groups=len(groups.kv_cache_groups),
         )
         self.graph_runner = GraphRunner(
-            self.config, self.platform, self.buffers, groups.backends, self._eager_context
+            self.config,
+            self.platform,
+            self.buffers,
+            groups.backends,
+            self._eager_context,
+            self.tp_group.rank,
         )
 
     @property
@@ -212,21 +226,27 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- per step
 
-    def _prepare_inputs(self, so: SchedulerOutput, states: list[CachedRequestState]) -> InputBatch:
-        """Dispatch the batch and write it into the persistent buffers."""
+    def _prepare_inputs(
+        self, so: SchedulerOutput, states: list[CachedRequestState], plan: StepPlan | None
+    ) -> InputBatch:
+        """Dispatch the batch (to the driver's plan, where it sent one) and write it into
+        the persistent buffers."""
         num_reqs, num_tokens = len(states), so.total_num_scheduled_tokens
-        mode, key = self.graph_runner.dispatch(num_tokens, num_reqs, num_tokens == num_reqs)
+        mode, key = self.graph_runner.dispatch(num_tokens, num_reqs, num_tokens == num_reqs, plan)
         return InputBatch.prepare(
             so.req_ids, states, so.num_scheduled_tokens, mode, key, self.buffers
         )
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> ModelRunnerOutput:
+        """One step. `plan` is the driver's dispatch (runtime mode and padded key): every
+        rank runs it, or refuses the step if its own graphs say otherwise (no rank ever
+        replays while another runs eager)."""
         states, replaced = self.requests.update(so)
         if so.preempted_req_ids or replaced:
             # Their rows were written for blocks that are gone.
             self.buffers.forget(so.preempted_req_ids | replaced)
-        batch = self._prepare_inputs(so, states)
+        batch = self._prepare_inputs(so, states, plan)
         logits, greedy_ids, hidden = self._forward(batch)
         prompt_rows = None
         if self.requests.collecting_prompt_logprobs:
@@ -244,19 +264,13 @@ class ModelRunner:
                 logits = logits[rows]
                 if greedy_ids is not None:
                     greedy_ids = greedy_ids[rows]
-            meta = SamplingMetadata.from_requests(
-                sampling_states, self.vocab_size, self.device, self._sampling_statics
-            )
-            if self.requests.num_with_grammar:
-                # A mask makes is_fast_greedy False: the graph's argmax is not used.
-                meta.structured_output_mask = self.structured_output.grammar_bitmask(
-                    [s.grammar for s in sampling_states]
-                )
-            if greedy_ids is not None and meta.is_fast_greedy:
-                # The graph's argmax: the sampler's greedy rule (first maximum).
-                out = SamplerOutput(greedy_ids.tolist(), None)
+            if self.tp_group.rank == 0:
+                out = self._sample(sampling_states, logits, greedy_ids)
             else:
-                out = self.sampler(logits, meta)
+                out = SamplerOutput([], None)
+            if self.tp_group.world_size > 1:
+                # Rank 0's tokens are every rank's: each feeds them to its next step.
+                out = out._replace(sampled_token_ids=self._broadcast_tokens(out, len(rows)))
             for i, state, tok in zip(rows, sampling_states, out.sampled_token_ids, strict=True):
                 sampled[i] = tok
                 state.append_output_token(tok)
@@ -269,6 +283,33 @@ class ModelRunner:
             output.prompt_logprobs_dict = prompt_logprobs.take_finished(states, rows)
             self.requests.collecting_prompt_logprobs.difference_update(output.prompt_logprobs_dict)
         return output
+
+    def _sample(
+        self,
+        states: list[CachedRequestState],
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None,
+    ) -> SamplerOutput:
+        meta = SamplingMetadata.from_requests(
+            states, self.vocab_size, self.device, self._sampling_statics
+        )
+        if self.requests.num_with_grammar:
+            # A mask makes is_fast_greedy False: the graph's argmax is not used.
+            meta.structured_output_mask = self.structured_output.grammar_bitmask(
+                [s.grammar for s in states]
+            )
+        if greedy_ids is not None and meta.is_fast_greedy:
+            # The graph's argmax: the sampler's greedy rule (first maximum).
+            return SamplerOutput(greedy_ids.tolist(), None)
+        return self.sampler(logits, meta)
+
+    def _broadcast_tokens(self, out: SamplerOutput, num_rows: int) -> list[int]:
+        """Rank 0's sampled ids, on every rank."""
+        if self.tp_group.rank == 0:
+            ids = torch.tensor(out.sampled_token_ids, dtype=torch.int64, device=self.device)
+        else:
+            ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
+        return self.tp_group.broadcast(ids, src=0).tolist()
 
     def _prompt_logprobs(
         self,

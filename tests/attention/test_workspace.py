@@ -96,7 +96,7 @@ def test_the_kv_budget_reserves_exactly_the_declared_workspace(
     stories_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     budget = 64 * 2**20
-    monkeypatch.setattr(CpuPlatform, "available_kv_cache_memory", lambda self, u, b: budget)
+    monkeypatch.setattr(CpuPlatform, "available_kv_cache_memory", lambda self, u, b, n=1: budget)
     llm = LLM(str(stories_dir), enforce_eager=True, max_model_len=256, max_num_seqs=8)
     runner = llm.llm_engine.runner
     reserved = runner.workspace_bytes()

@@ -109,9 +109,9 @@ def test_large_decode_batches_beside_one_token_prefill_chunks_do_not_change_ids(
     batches: list[tuple[int, int]] = []
     original = runner._prepare_inputs
 
-    def spy(so, states):  # noqa: ANN001, ANN202
+    def spy(so, states, plan):  # noqa: ANN001, ANN202
         batches.append((so.num_reqs, so.total_num_scheduled_tokens))
-        return original(so, states)
+        return original(so, states, plan)
 
     monkeypatch.setattr(runner, "_prepare_inputs", spy)
     prompts = [prompt(2 + i % 3, i) for i in range(40)] + [prompt(30, 5)]

@@ -394,8 +394,8 @@ def test_full_decode_graph_batches_with_a_row_that_does_not_sample_match_mode_no
     batches: list[tuple[int, int]] = []
     prepare = runner._prepare_inputs
 
-    def spy(so, states):  # noqa: ANN001, ANN202
-        batch = prepare(so, states)
+    def spy(so, states, plan):  # noqa: ANN001, ANN202
+        batch = prepare(so, states, plan)
         batches.append((batch.num_reqs, len(batch.sample_rows)))
         return batch
 

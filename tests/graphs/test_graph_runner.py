@@ -160,8 +160,8 @@ def test_a_step_that_does_not_refresh_a_static_buffer_gives_wrong_ids(
     stale = getattr(runner.buffers, buffer).np
     previous: list[np.ndarray] = []
 
-    def forgetful(so, states):  # noqa: ANN001, ANN202
-        batch = prepare(so, states)
+    def forgetful(so, states, plan):  # noqa: ANN001, ANN202
+        batch = prepare(so, states, plan)
         n = batch.num_tokens
         if batch.runtime_mode is not RuntimeMode.NONE and batch.uniform_decode:
             if previous and len(previous[0]) == n:

@@ -87,8 +87,10 @@ class StaticGraphPlatform(Platform):
         self.weak_outputs.append(weak_outputs)
         return graph
 
-    def available_kv_cache_memory(self, gpu_memory_utilization: float, used_bytes: int) -> int:
-        return 64 << 20
+    def available_kv_cache_memory(
+        self, gpu_memory_utilization: float, used_bytes: int, num_local_ranks: int = 1
+    ) -> int:
+        return (64 << 20) // num_local_ranks
 
 
 class NoGraphCpuPlatform(CpuPlatform):

@@ -68,7 +68,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         self, async_llm: AsyncLLM, served_model_names: list[str], chat_template: str | None = None
     ) -> None:
         super().__init__(async_llm, served_model_names, chat_template)
-        self.vocab_size: int = async_llm.engine.runner.vocab_size
+        self.vocab_size: int = async_llm.engine.vocab_size
 
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:
