@@ -109,6 +109,7 @@ class Scheduler:
         self._scheduled: list[Request] = []
         # Tokens sampled and appended so far (counted per step, whenever they are shown).
         self.num_generated_tokens = 0
+        self.num_preemptions = 0  # over the engine's life (vLLM's num_preemptions)
 
     # -- requests in and out -------------------------------------------------------
 
@@ -288,6 +289,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
