@@ -1,10 +1,20 @@
-"""Linear layers whose weights are written by the loader, with vLLM's names.
+"""Linear layers whose weights are written by the loader, with vLLM's names and sharding.
 
-Tensor parallel size is 1 in this release, so every layer holds the full matrix;
-the classes mark where column/row splitting goes when it comes (docs/design.md §8). Weights
-are allocated with `torch.empty` (no random init: the loader writes every one), and
-stacked layers (q/k/v, gate/up) expose a `weight_loader(param, loaded_weight, shard_id)`
-that copies one Hugging Face tensor into its rows of the stacked parameter.
+Under tensor parallelism (docs/design.md §8) each rank holds a slice of a matrix:
+column-parallel layers (q/k/v, gate/up) split the output rows, and their outputs stay
+split; row-parallel layers (o_proj, down_proj) split the input columns, and their
+partial outputs are summed by one all-reduce, after which the bias is added once.
+Attention heads are split whole: each rank holds `num_heads / tp` query heads and
+`num_kv_heads / tp` KV heads, or, with more ranks than KV heads, one KV head shared by
+`tp / num_kv_heads` ranks (vLLM's KV head replication). At tensor parallel size 1 every
+layer holds the full matrix and runs exactly as it did before sharding existed: one
+`mm`/`addmm`, no collective.
+
+Weights are allocated with `torch.empty` (no random init: the loader writes every one).
+A layer's `weight_loader(param, loaded_weight[, shard_id])` takes the whole checkpoint
+tensor, or a lazy slice of it (anything with `.shape`, `.narrow()` and `.read()`, see
+models/weights.py), and narrows it to this rank's part before reading it, so that no
+rank reads what it does not hold.
 
 After loading, `process_weights_after_loading` (vLLM's name for the hook) keeps each
 weight's transpose as a view, so that a forward is one `mm` (or `addmm`): `F.linear`
@@ -15,18 +25,63 @@ the loader does), never replaced.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodegraph.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
-def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+
+def read_weight(loaded_weight: Any) -> torch.Tensor:
+    """The tensor of a checkpoint weight: itself, or what a lazy slice reads."""
+    return loaded_weight if isinstance(loaded_weight, torch.Tensor) else loaded_weight.read()
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: Any) -> None:
     """Copy a whole checkpoint tensor into `param` (dtype and device converted)."""
-    if param.shape != loaded_weight.shape:
+    if tuple(param.shape) != tuple(loaded_weight.shape):
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded_weight.shape)}"
         )
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_weight(loaded_weight))
+
+
+def divide(size: int, tp_size: int, what: str) -> int:
+    """`size / tp_size`; ValueError naming `tensor_parallel_size` and `what` when the
+    ranks cannot split it evenly."""
+    if size % tp_size:
+        raise ValueError(f"tensor_parallel_size ({tp_size}) must divide {what} ({size})")
+    return size // tp_size
+
+
+def attention_heads_per_rank(
+    total_num_heads: int, total_num_kv_heads: int, tp_size: int
+) -> tuple[int, int]:
+    """(query heads, KV heads) each of `tp_size` ranks holds. With more ranks than KV
+    heads, each rank holds one KV head, shared by `tp_size / total_num_kv_heads` ranks."""
+    num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+    if tp_size < total_num_kv_heads:
+        return num_heads, divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+    if tp_size % total_num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size ({tp_size}) must divide num_key_value_heads "
+            f"({total_num_kv_heads}) or be a multiple of it"
+        )
+    return num_heads, 1
+
+
+def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    """This rank and group size, unless given (tests build one rank's shard in-process)."""
+    rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+    size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+    return rank, size
 
 
 class ReplicatedLinear(nn.Module):
@@ -57,37 +112,155 @@ class ReplicatedLinear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-class RowParallelLinear(ReplicatedLinear):
-    """Output projection (o_proj, down_proj); split by rows under tensor parallelism."""
+class ColumnParallelLinear(ReplicatedLinear):
+    """`y = x W^T (+ b)` with W's output rows split over the ranks: this rank computes
+    `output_size / tp` outputs (all of them, concatenated, with `gather_output`)."""
 
-
-class MergedColumnParallelLinear(ReplicatedLinear):
-    """Several projections of the same input stacked by rows (gate_proj + up_proj)."""
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-
-    def shard_range(self, shard_id: int) -> tuple[int, int]:
-        """(offset, size) of shard `shard_id` in the stacked rows."""
-        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        *,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
-        """Copy one shard's checkpoint tensor (weight or bias) into its rows of `param`."""
-        offset, size = self.shard_range(shard_id)  # type: ignore[arg-type]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded_weight.shape:
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        name = type(self).__name__
+        per_rank = divide(output_size, self.tp_size, f"the output size of {name}")
+        super().__init__(input_size, per_rank, bias)
+        self.output_size = output_size
+        self.output_size_per_partition = per_rank
+        self.gather_output = gather_output and self.tp_size > 1
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any) -> None:
+        """Copy this rank's rows of the whole checkpoint tensor (weight or bias)."""
+        n = self.output_size_per_partition
+        if loaded_weight.shape[0] != self.output_size:
             raise ValueError(
-                f"shape mismatch for shard {shard_id!r}: expected {tuple(target.shape)}, "
+                f"shape mismatch: expected {self.output_size} rows, checkpoint has "
+                f"{tuple(loaded_weight.shape)}"
+            )
+        default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ReplicatedLinear.forward(self, x)
+        return tensor_model_parallel_all_gather(out) if self.gather_output else out
+
+
+class RowParallelLinear(ReplicatedLinear):
+    """Output projection (o_proj, down_proj): W's input columns split over the ranks.
+
+    Each rank multiplies its slice of the input features (what a column-parallel layer
+    left on it, `input_is_parallel`) by its columns of W; with `reduce_results` one
+    all-reduce sums the partial outputs, and the bias is added once, after it. Without
+    it the caller sums, and only rank 0 adds the bias."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        *,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        if not input_is_parallel:
+            raise NotImplementedError("RowParallelLinear takes an input already split by rank")
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        name = type(self).__name__
+        per_rank = divide(input_size, self.tp_size, f"the input size of {name}")
+        super().__init__(per_rank, output_size, bias)
+        self.input_size = input_size
+        self.input_size_per_partition = per_rank
+        self.reduce_results = reduce_results
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any) -> None:
+        """Copy this rank's columns of the weight; the bias whole."""
+        if param.dim() == 2:
+            if loaded_weight.shape[-1] != self.input_size:
+                raise ValueError(
+                    f"shape mismatch: expected {self.input_size} columns, checkpoint has "
+                    f"{tuple(loaded_weight.shape)}"
+                )
+            n = self.input_size_per_partition
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * n, n)
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return ReplicatedLinear.forward(self, x)
+        weight_t = self.weight_t
+        if weight_t is None or x.dim() != 2:
+            partial = F.linear(x, self.weight)
+        else:
+            partial = torch.mm(x, weight_t)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(partial)
+        elif self.tp_rank == 0:
+            out = partial
+        else:
+            return partial
+        return out if self.bias is None else out + self.bias
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input stacked by rows (gate_proj
+    + up_proj): each rank holds its slice of each, stacked in the same order."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        *,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        self.tp_rank, self.tp_size = _tp(tp_rank, tp_size)
+        name = type(self).__name__
+        for size in output_sizes:
+            divide(size, self.tp_size, f"each output size of {name}")
+        super().__init__(
+            input_size, sum(output_sizes), bias, tp_rank=self.tp_rank, tp_size=self.tp_size
+        )
+        self.output_sizes = list(output_sizes)
+        self.output_sizes_per_partition = [size // self.tp_size for size in output_sizes]
+
+    def shard_range(self, shard_id: int | str) -> tuple[int, int]:
+        """(offset, size) of shard `shard_id` in this rank's stacked rows."""
+        sizes = self.output_sizes_per_partition
+        return sum(sizes[:shard_id]), sizes[shard_id]  # type: ignore[index]
+
+    def checkpoint_range(self, shard_id: int | str) -> tuple[int, int]:
+        """(first row, rows in all) of shard `shard_id`'s checkpoint tensor: this rank
+        reads rows [first, first + size) of them."""
+        _, size = self.shard_range(shard_id)
+        return self.tp_rank * size, self.output_sizes[shard_id]  # type: ignore[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: int | str) -> None:
+        """Copy this rank's rows of one shard's checkpoint tensor (weight or bias) into
+        that shard's rows of `param`."""
+        offset, size = self.shard_range(shard_id)
+        start, total = self.checkpoint_range(shard_id)
+        expected = (total, *param.shape[1:])
+        if tuple(loaded_weight.shape) != expected:
+            raise ValueError(
+                f"shape mismatch for shard {shard_id!r}: expected {expected}, "
                 f"checkpoint has {tuple(loaded_weight.shape)}"
             )
-        target.copy_(loaded_weight)
+        param.data.narrow(0, offset, size).copy_(read_weight(loaded_weight.narrow(0, start, size)))
+
+    forward = ReplicatedLinear.forward  # outputs stay split: no gather, nothing extra
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections stacked by rows: [Hq*D + Hkv*D + Hkv*D, hidden]."""
+    """q, k and v projections stacked by rows, split by head over the ranks: this rank's
+    [num_heads*D + num_kv_heads*D + num_kv_heads*D, hidden] (`attention_heads_per_rank`;
+    a KV head is replicated on several ranks when there are more ranks than KV heads)."""
 
     def __init__(
         self,
@@ -96,11 +269,38 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
+        *,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
-        self.q_size = total_num_heads * head_size
-        self.kv_size = total_num_kv_heads * head_size
-        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
+        self.num_heads, self.num_kv_heads = attention_heads_per_rank(
+            total_num_heads, total_num_kv_heads, tp_size
+        )
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_kv_head_replicas = max(1, tp_size // total_num_kv_heads)
+        self.q_size = self.num_heads * head_size  # this rank's
+        self.kv_size = self.num_kv_heads * head_size
+        # The stacked layer of every rank's q/k/v sizes (a replicated KV head counted on
+        # each rank that holds it), so that the sizes split evenly.
+        super().__init__(
+            hidden_size,
+            [self.q_size * tp_size, self.kv_size * tp_size, self.kv_size * tp_size],
+            bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
 
     def shard_range(self, shard_id: int | str) -> tuple[int, int]:
         index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
         return super().shard_range(index)
+
+    def checkpoint_range(self, shard_id: int | str) -> tuple[int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[shard_id] if isinstance(shard_id, str) else shard_id
+        if index == 0:
+            return self.tp_rank * self.q_size, self.total_num_heads * self.head_size
+        # Ranks r * replicas .. (r + 1) * replicas - 1 hold KV heads of slot r.
+        slot = self.tp_rank // self.num_kv_head_replicas
+        return slot * self.kv_size, self.total_num_kv_heads * self.head_size

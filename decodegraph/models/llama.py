@@ -5,6 +5,8 @@ flattened batch with no batch dimension, `compute_logits`, and `load_weights` ta
 Hugging Face names. q/k/v and gate/up are stacked into one projection each at load time,
 and the rotary cos/sin rows are gathered once per forward and shared by every layer,
 to keep the op count per layer low (at batch 1 every op is framework overhead).
+Under tensor parallelism each rank builds the same modules with its share of the heads
+and of the MLP (layers/linear.py), and attends over its own heads only.
 Nothing here synchronises with the host or branches on tensor values (docs/design.md §4).
 """
 
@@ -18,12 +20,15 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from decodegraph.attention.layer import Attention
+from decodegraph.distributed.parallel_state import get_tensor_model_parallel_world_size
 from decodegraph.layers.activation import get_act_and_mul_fn
 from decodegraph.layers.layernorm import RMSNorm
 from decodegraph.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    attention_heads_per_rank,
+    divide,
 )
 from decodegraph.layers.rotary_embedding import apply_rotary_emb, get_rope, get_rope_parameters
 from decodegraph.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -47,6 +52,20 @@ def get_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def get_num_heads(config: PretrainedConfig) -> tuple[int, int]:
+    """(num_attention_heads, num_key_value_heads) of the whole model; KV heads default
+    to the attention heads (multi-head attention)."""
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def get_num_heads_per_rank(config: PretrainedConfig, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) one of `tp_size` ranks holds (KV heads replicated when
+    there are more ranks than KV heads); ValueError naming `tensor_parallel_size` when
+    the heads do not split."""
+    return attention_heads_per_rank(*get_num_heads(config), tp_size)
+
+
 def layer_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
     """Layer `layer_idx`'s sliding window where transformers applies one: the layers
     `layer_types` marks "sliding_attention" (Qwen2's `use_sliding_window` with
@@ -66,6 +85,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
+        divide(size, get_tensor_model_parallel_world_size(), "intermediate_size")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
         self.act_fn = get_act_and_mul_fn(hidden_act or config.hidden_act)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
@@ -85,15 +105,20 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads, total_kv_heads = get_num_heads(config)
+        # This rank's heads (all of them at tensor parallel size 1).
+        self.num_heads, self.num_kv_heads = attention_heads_per_rank(
+            total_heads, total_kv_heads, get_tensor_model_parallel_world_size()
+        )
         self.head_dim = get_head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, options.qkv_bias
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, options.o_bias)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, options.o_bias
+        )
         self.qk_norm = options.qk_norm
         if self.qk_norm:
             self.q_norm = options.norm(self.head_dim, config.rms_norm_eps)
@@ -211,7 +236,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden states [N, hidden]."""
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
+        if self.lm_head.tp_size > 1:  # this rank's vocabulary slice: gather the others'
+            logits = self.lm_head.gather_logits(logits)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into the parameters; returns the names of the

@@ -22,6 +22,7 @@ from decodegraph.config import ModelConfig
 from decodegraph.models.bundled import bundled_model_path
 from decodegraph.models.presets import get_preset_config, is_preset
 from decodegraph.models.registry import get_model_class
+from decodegraph.models.weights import CheckpointSlice
 
 logger = logging.getLogger(__name__)
 
@@ -155,16 +156,18 @@ def list_safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def iterate_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of every safetensors file under `path`, read on the host,
-    with a progress bar over the shards."""
+def iterate_safetensors(path: Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """(name, lazy slice) pairs of every tensor of the safetensors files under `path`,
+    with a progress bar over the shards. Nothing is read until a weight loader reads
+    its rank's part of a slice (on the host), which it must do before the next pair:
+    the file closes after its last tensor."""
     from safetensors import safe_open
 
     files = list_safetensors_files(path)
     for file in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard"):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, CheckpointSlice.of(f.get_slice(name))
 
 
 @torch.no_grad()

@@ -22,7 +22,10 @@ from decodegraph.attention.selector import get_attn_backend
 from decodegraph.config import EngineConfig
 from decodegraph.core.kv_cache_spec import KVCacheGroupSpec
 from decodegraph.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from decodegraph.distributed.parallel_state import get_tp_group
+from decodegraph.distributed.parallel_state import (
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+)
 from decodegraph.forward_context import (
     EAGER_PARAMS_ID,
     BatchDescriptor,
@@ -32,7 +35,7 @@ from decodegraph.forward_context import (
 from decodegraph.graphs.dispatcher import StepPlan
 from decodegraph.graphs.graph_runner import CaptureStats, GraphRunner
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
-from decodegraph.models.llama import get_head_dim
+from decodegraph.models.llama import get_head_dim, get_num_heads_per_rank
 from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
 from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
@@ -71,8 +74,10 @@ class ModelRunner:
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens: int = sc.max_num_batched_tokens
         self.num_layers = hf_config.num_hidden_layers
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        # This rank's heads: what its KV cache holds (all of them at tensor parallel 1).
+        self.num_heads, self.num_kv_heads = get_num_heads_per_rank(
+            hf_config, get_tensor_model_parallel_world_size()
+        )
         self.head_size = get_head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
 
@@ -142,8 +147,8 @@ class ModelRunner:
         return self.groups.kv_cache_groups
 
     def kv_cache_bytes_per_block(self, group: int | None = None) -> int:
-        """Bytes of one block of KV cache group `group` (its layers' K and V); of every
-        layer when `group` is None."""
+        """Bytes of one block of KV cache group `group` (its layers' K and V, this
+        rank's KV heads); of every layer when `group` is None."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         layers = (
             self.num_layers if group is None else len(self.kv_cache_groups[group].layer_indices)
