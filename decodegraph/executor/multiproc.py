@@ -164,6 +164,8 @@ def _worker_main(a: _RankArgs) -> None:
     """A spawned rank: build the worker, then answer the driver's calls until told to
     stop or the driver goes away."""
     _die_with_parent(a.parent_pid, a.use_pdeathsig)
+    # Ctrl-C reaches the whole process group: the driver decides what stops, not this.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(a.env)
     logging.basicConfig(
         level=a.log_level, format=f"%(levelname)s rank {a.rank} %(name)s: %(message)s"
@@ -343,6 +345,7 @@ class MultiprocExecutor(Executor):
         try:
             self._start()
         except BaseException:
+            self._state.healthy = False  # ranks stuck at the rendezvous read no message
             self.shutdown()
             raise
 
@@ -364,12 +367,12 @@ class MultiprocExecutor(Executor):
         processes, conns = _spawn_ranks(self.config, init_method, None)
         self._state.processes = processes
         ranks = [_Rank(r, c, p) for r, (c, p) in enumerate(zip(conns, processes, strict=True))]
+        self._state.ranks = ranks
         if pc.nnodes > 1:
-            ranks += self._accept_remote(accepted, ranks)
+            self._accept_remote(accepted, ranks)
             self._state.listener.close()
             self._state.listener = None
         ranks.sort(key=lambda r: r.rank)
-        self._state.ranks = ranks
         self._ranks = ranks
         try:
             pids = self._gather("init_device", time.monotonic() + DEFAULT_RPC_TIMEOUT_S)
@@ -388,10 +391,11 @@ class MultiprocExecutor(Executor):
             pids,
         )
 
-    def _accept_remote(self, accepted: queue.Queue, local: list[_Rank]) -> list[_Rank]:
+    def _accept_remote(self, accepted: queue.Queue, ranks: list[_Rank]) -> None:
+        """Add other nodes' ranks to `ranks` as they connect."""
         pc = self.parallel_config
+        local = list(ranks)
         expected = set(range(pc.local_world_size, self.world_size))
-        remote: list[_Rank] = []
         deadline = time.monotonic() + NODE_CONNECT_TIMEOUT_S
         while expected:
             for r in local:
@@ -406,17 +410,17 @@ class MultiprocExecutor(Executor):
                     "(DECODEGRAPH_NODE_CONNECT_TIMEOUT_S)"
                 )
             try:
-                conn, (kind, rank, pid, hostname) = accepted.get(timeout=0.5)
+                conn, hello = accepted.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if kind != "hello" or rank not in expected:
-                logger.warning("rejected a connection claiming rank %r from %s", rank, hostname)
-                conn.close()
-                continue
-            expected.discard(rank)
-            remote.append(_Rank(rank, conn, None, pid, hostname))
-            logger.info("rank %d (pid %d on %s) connected", rank, pid, hostname)
-        return remote
+            match hello:
+                case ("hello", int(rank), int(pid), str(hostname)) if rank in expected:
+                    expected.discard(rank)
+                    ranks.append(_Rank(rank, conn, None, pid, hostname))
+                    logger.info("rank %d (pid %d on %s) connected", rank, pid, hostname)
+                case _:
+                    logger.warning("rejected an RPC connection that said %.100r", hello)
+                    conn.close()
 
     # ------------------------------------------------------------------------- calls
 

@@ -171,6 +171,23 @@ def test_workers_die_with_a_killed_driver() -> None:
         driver.wait(10)
 
 
+def test_a_driver_that_exits_without_shutdown_stops_its_workers_at_exit() -> None:
+    """The exit hook runs before multiprocessing's, which would wait on live workers."""
+    script = (
+        "import json\n"
+        "from decodegraph.executor.multiproc import MultiprocExecutor\n"
+        "from tests.executor.dummy_worker import dummy_config\n"
+        "e = MultiprocExecutor(dummy_config(tensor_parallel_size=2))\n"
+        "print(json.dumps(e.collective_rpc('pid')), flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, env=env, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert gone(json.loads(done.stdout.splitlines()[-1]), within_s=2.0)
+
+
 def test_two_nodes_on_loopback_run_one_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """Node 0: the driver and rank 0; node 1: `decodegraph serve --headless` and rank 1."""
     monkeypatch.setenv("DECODEGRAPH_RPC_AUTHKEY", "test-secret")
