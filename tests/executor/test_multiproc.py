@@ -68,6 +68,17 @@ def test_each_rank_is_a_child_process_pinned_to_its_share_of_the_cores(
     assert [i["cpu_threads"] for i in infos] == [expected, expected]
 
 
+def test_check_health_answers_while_a_call_is_in_flight(executor: MultiprocExecutor) -> None:
+    """What /health does while the engine thread runs a step."""
+    call = threading.Thread(target=executor.collective_rpc, args=("sleep", (2.0,)))
+    call.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    executor.check_health()
+    assert time.monotonic() - start < 1.0
+    call.join()
+
+
 def test_a_worker_exception_is_a_worker_error_with_its_rank_and_remote_traceback(
     executor: MultiprocExecutor,
 ) -> None:

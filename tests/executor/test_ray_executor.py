@@ -57,6 +57,17 @@ def test_actors_import_the_drivers_decodegraph_and_get_their_thread_share(
     assert [i["cpu_threads"] for i in infos] == [expected, expected]
 
 
+def test_check_health_answers_while_a_call_is_in_flight(executor: RayExecutor) -> None:
+    """What /health does while the engine thread runs a step."""
+    call = threading.Thread(target=executor.collective_rpc, args=("sleep", (2.0,)))
+    call.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    executor.check_health()
+    assert time.monotonic() - start < 1.0
+    call.join()
+
+
 def test_a_worker_exception_is_a_worker_error_and_the_actors_keep_working(
     executor: RayExecutor,
 ) -> None:
