@@ -124,19 +124,91 @@ class SchedulerConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
 
 
+# The executors that distributed_executor_backend names (decodegraph/executor/).
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
+    """How many ranks, which executor runs them, and where they meet (vLLM's names).
+
+    Every rank is one worker (`worker_cls`); with "mp" they are spawned processes, with
+    "ray" Ray actors, with "uni" the one worker lives in the driver. Across `nnodes`
+    hosts ("mp" only) node 0 runs the driver and its share of the ranks; each other node
+    runs `decodegraph serve --headless`. torch.distributed meets at
+    tcp://master_addr:master_port; the driver's RPC listener for other nodes' workers is
+    at master_port + 1.
+    """
+
     tensor_parallel_size: int = 1
+    # None: "uni" at tensor_parallel_size 1 on one node, else "mp".
+    distributed_executor_backend: str | None = None
     nnodes: int = 1
+    node_rank: int = 0
+    # Loopback by default: a multi-node run names node 0's reachable address.
+    master_addr: str = "127.0.0.1"
+    # None: a free port (one node only; several nodes must agree on it).
+    master_port: int | None = None
+    # A qualified name, so that spawned processes and Ray actors can import it.
     worker_cls: str = "decodegraph.worker.worker.Worker"
 
     def __post_init__(self) -> None:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size != 1:
+        _positive("nnodes", self.nnodes)
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if tp == 1 and nnodes == 1 else "mp"
+        backend = self.distributed_executor_backend
+        if backend not in EXECUTOR_BACKENDS:
             raise ValueError(
-                "tensor_parallel_size: only 1 is supported in this release "
-                f"(got {self.tensor_parallel_size})"
+                f"distributed_executor_backend: {backend!r} is not one of "
+                f"{', '.join(EXECUTOR_BACKENDS)}"
             )
+        if backend == "uni" and tp != 1:
+            raise ValueError(
+                "distributed_executor_backend: 'uni' runs one rank in the driver; "
+                f"tensor_parallel_size {tp} needs 'mp' or 'ray'"
+            )
+        if tp % nnodes != 0:
+            raise ValueError(
+                f"tensor_parallel_size: {tp} is not a multiple of nnodes ({nnodes}): "
+                "every node runs the same number of ranks"
+            )
+        if nnodes > 1 and backend != "mp":
+            raise ValueError(
+                f"nnodes: {nnodes} nodes need distributed_executor_backend 'mp' "
+                f"(got {backend!r}; Ray places its actors on its own cluster's nodes)"
+            )
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank: must be in [0, {nnodes}), got {self.node_rank!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(
+                f"master_addr: must be a host name or address, got {self.master_addr!r}"
+            )
+        port = self.master_port
+        if port is not None and (
+            not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65534
+        ):
+            # 65534: the driver's RPC listener takes master_port + 1.
+            raise ValueError(f"master_port: must be in [1, 65534], got {port!r}")
+        if nnodes > 1 and port is None:
+            raise ValueError(
+                f"master_port: {nnodes} nodes must agree on it; give the same port to every node"
+            )
+        if not isinstance(self.worker_cls, str) or "." not in self.worker_cls:
+            raise ValueError(
+                f"worker_cls: a qualified class name (module.Class), got {self.worker_cls!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: one tensor-parallel group."""
+        return self.tensor_parallel_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on each node."""
+        return self.tensor_parallel_size // self.nnodes
 
 
 @dataclass

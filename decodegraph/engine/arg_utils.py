@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from decodegraph.config import (
+    EXECUTOR_BACKENDS,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -66,6 +67,12 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    worker_cls: str = ParallelConfig.worker_cls
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict | str | None = field(default=None)
     device: str = "auto"
@@ -112,6 +119,25 @@ class EngineArgs:
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
         )
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+        g.add_argument(
+            "--distributed-executor-backend",
+            default=None,
+            choices=list(EXECUTOR_BACKENDS),
+            help="how ranks run: mp (processes, the default above -tp 1), ray (actors), uni",
+        )
+        g.add_argument("--nnodes", type=int, default=1, help="hosts the ranks span (mp)")
+        g.add_argument("--node-rank", type=int, default=0, help="this host's index (0: driver)")
+        g.add_argument(
+            "--master-addr", default="127.0.0.1", help="node 0's address (loopback by default)"
+        )
+        g.add_argument(
+            "--master-port",
+            type=int,
+            default=None,
+            help="torch.distributed's port on node 0 (the driver's RPC listener takes the "
+            "next one); default: a free port, one node only",
+        )
+        g.add_argument("--worker-cls", default=ParallelConfig.worker_cls, help=argparse.SUPPRESS)
         g.add_argument("--enforce-eager", action="store_true", help="never use graphs (mode NONE)")
         g.add_argument(
             "-O",
@@ -172,7 +198,15 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
         )
-        parallel_config = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            nnodes=self.nnodes,
+            node_rank=self.node_rank,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            worker_cls=self.worker_cls,
+        )
         compilation_config = CompilationConfig.from_any(self.compilation_config)
         structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         device_config = DeviceConfig(device=self.device)

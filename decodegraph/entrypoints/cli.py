@@ -224,8 +224,30 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # the server's dependencies are optional for offline use
         add_serve_subcommand = None
     if add_serve_subcommand is not None:
-        add_serve_subcommand(sub)
+        serve = add_serve_subcommand(sub)
+        serve.add_argument(
+            "--headless",
+            action="store_true",
+            help="run only this node's ranks (--node-rank > 0), connected to node 0's "
+            "driver at --master-addr; no API server",
+        )
+        serve.set_defaults(func=_serve, serve_func=serve.get_default("func"))
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int | None:
+    """`serve`: the API server, or with --headless this node's ranks until the driver
+    on node 0 shuts them down."""
+    if not args.headless:
+        return args.serve_func(args)
+    from decodegraph.executor.multiproc import run_headless
+
+    config = EngineArgs.from_cli_args(args).create_engine_config(UsageContext.OPENAI_API_SERVER)
+    if config.parallel_config.node_rank == 0:
+        raise ValueError(
+            "node_rank: --headless runs a node without the driver: give --node-rank 1 or more"
+        )
+    return run_headless(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,3 +82,47 @@ def test_dtype_auto_on_cpu_follows_the_platform_rule_and_an_explicit_dtype_wins(
         assert len(logged) == 1 and logged[0].startswith(f"dtype auto: {name} for a ")
     else:
         assert logged == []
+
+
+def test_parallel_flags_reach_the_parallel_config(stories_dir: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    flags = [
+        "--model", str(stories_dir), "--device", "cpu", "-tp", "2",
+        "--distributed-executor-backend", "mp", "--nnodes", "2", "--node-rank", "1",
+        "--master-addr", "10.0.0.1", "--master-port", "29555",
+        "--worker-cls", "tests.executor.dummy_worker.DummyWorker",
+    ]  # fmt: skip
+    config = EngineArgs.from_cli_args(parser.parse_args(flags)).create_engine_config()
+    pc = config.parallel_config
+    assert (pc.tensor_parallel_size, pc.distributed_executor_backend) == (2, "mp")
+    assert (pc.nnodes, pc.node_rank, pc.master_addr, pc.master_port) == (2, 1, "10.0.0.1", 29555)
+    assert pc.worker_cls == "tests.executor.dummy_worker.DummyWorker"
+
+
+def test_parallel_flags_default_to_one_local_rank_in_process(stories_dir: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", str(stories_dir), "--device", "cpu"])
+    pc = EngineArgs.from_cli_args(args).create_engine_config().parallel_config
+    assert (pc.tensor_parallel_size, pc.distributed_executor_backend, pc.nnodes) == (1, "uni", 1)
+    assert (pc.master_addr, pc.master_port) == ("127.0.0.1", None)
+
+
+def test_an_unknown_executor_backend_is_refused_by_the_parser() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--distributed-executor-backend", "threads"])
+
+
+def test_a_bad_parallel_value_names_its_field(stories_dir: Path) -> None:
+    args = EngineArgs(model=str(stories_dir), device="cpu", tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="^tensor_parallel_size:"):
+        args.create_engine_config()
