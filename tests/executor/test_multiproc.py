@@ -17,7 +17,8 @@ import pytest
 
 from decodegraph.executor import multiproc
 from decodegraph.executor.abstract import Executor, WorkerDiedError, WorkerError
-from decodegraph.executor.multiproc import MultiprocExecutor, cpu_shares
+from decodegraph.executor.mp_ranks import cpu_shares
+from decodegraph.executor.multiproc import MultiprocExecutor
 from tests.executor.dummy_worker import QUALNAME, dummy_config
 from tests.executor.processes import free_port_pair, gone, live_children
 
