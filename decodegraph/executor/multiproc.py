@@ -235,7 +235,7 @@ class MultiprocExecutor(Executor):
             ready = wait([*pending, *watched], timeout=max(0.0, remaining)) if remaining > 0 else []
             if not ready:
                 r = min(pending.values(), key=lambda r: r.rank)
-                after = f" after rank {errors[0].rank} raised" if errors else ""
+                after = f" after {str(errors[0]).splitlines()[0]}" if errors else ""
                 err = WorkerDiedError(
                     r.rank,
                     f"({self._where(r)}) did not answer {method!r} in time{after}; "

@@ -191,7 +191,7 @@ class RayExecutor(Executor):
             )
             if not ready:
                 rank = min(rank_of[r] for r in (pending or refs))
-                after = f" after rank {errors[0].rank} raised" if errors else ""
+                after = f" after {str(errors[0]).splitlines()[0]}" if errors else ""
                 err = WorkerDiedError(
                     rank, f"did not answer {method!r} in time{after}; the executor stops"
                 )
