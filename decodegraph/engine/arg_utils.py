@@ -229,6 +229,7 @@ class EngineArgs:
                 why,
             )
         _check_kv_cache_dtype(cache_config.kv_cache_dtype, model_config.dtype)
+        _check_tensor_parallel_size(hf_config, parallel_config.tensor_parallel_size)
         limit = _context_length(hf_config)
         if model_config.max_model_len is None:
             model_config.max_model_len = limit
@@ -267,6 +268,16 @@ def _default_max_num_batched_tokens(
     else:
         tokens = max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     return min(tokens, sc.max_num_seqs * max_model_len)
+
+
+def _check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
+    """The model must split over the ranks: checked here, before any worker starts
+    (the layers check again as they are built)."""
+    from decodegraph.layers.linear import divide
+    from decodegraph.models.llama import get_num_heads_per_rank
+
+    get_num_heads_per_rank(hf_config, tp_size)
+    divide(hf_config.intermediate_size, tp_size, "intermediate_size")
 
 
 def _check_kv_cache_dtype(value: str, model_dtype: torch.dtype) -> None:

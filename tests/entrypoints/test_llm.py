@@ -248,9 +248,13 @@ def test_unsupported_architecture_error_lists_the_supported_ones(
         assert arch in str(info.value)
 
 
-def test_tensor_parallel_size_2_is_refused_clearly(stories_dir: Path) -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(stories_dir), tensor_parallel_size=2, enforce_eager=True)
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_refused_before_any_worker(
+    stories_dir: Path,
+) -> None:
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads \(8\)"
+    ):
+        LLM(str(stories_dir), tensor_parallel_size=3, enforce_eager=True)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float32"])
