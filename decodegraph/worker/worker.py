@@ -30,6 +30,11 @@ from decodegraph.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# A collective waits this long for the other ranks (DECODEGRAPH_DIST_TIMEOUT_S): long
+# enough for one rank's graph compile to finish while another waits at the next
+# collective; a dead rank is found at once by the executor's watchdog instead.
+_DIST_TIMEOUT_S = 600.0
+
 
 @dataclass
 class KVCacheInfo:
@@ -102,6 +107,7 @@ class Worker:
                 self.distributed_init_method,
                 self.platform.dist_backend,
                 self.local_rank,
+                timeout_s=float(os.environ.get("DECODEGRAPH_DIST_TIMEOUT_S", _DIST_TIMEOUT_S)),
             )
         torch.manual_seed(mc.seed)
         self.runner = ModelRunner(self.config, self.platform, mc.hf_config)
