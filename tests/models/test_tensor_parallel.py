@@ -83,6 +83,10 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(model(t, torch.arange(len(ids))))
 
 
+def _forward_and_logits(model: torch.nn.Module) -> Any:
+    return lambda ids, pos: model.compute_logits(model(ids, pos))
+
+
 @torch.no_grad()
 def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": get_tensor_model_parallel_rank()}
@@ -96,7 +100,7 @@ def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
         }
         if name == TRACED:
             ids, pos = torch.tensor(PROMPT[:5]), torch.arange(5)
-            gm = make_fx(lambda i, p, m=model: m.compute_logits(m(i, p)))(ids, pos)
+            gm = make_fx(_forward_and_logits(model))(ids, pos)
             targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
             out["traced_ops"] = targets
             other = torch.tensor([9, 8, 7, 6, 5])
