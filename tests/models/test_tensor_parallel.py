@@ -39,7 +39,11 @@ EXTRA = {
     "llama-one-kv-head": ("llama-gqa", {"num_key_value_heads": 1}),
     "llama-tied-odd-vocab": ("llama-tied", {"vocab_size": 127}),
 }
-TRACED = "qwen3"  # the checkpoint whose TP forward is also traced with make_fx
+TRACED = "qwen3"
+RUNNER_MODES = [
+    "NONE",
+    "FULL_AND_PIECEWISE",
+]  # the checkpoint whose TP forward is also traced with make_fx
 
 
 class _CountingSlice:
@@ -113,6 +117,17 @@ def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
         get_model_class(bad)(bad)
     except ValueError as e:
         out["bad_intermediate_size"] = str(e)
+    # The model runner at TP 2 (its KV cache holds this rank's heads), eager and with
+    # graphs that contain the collectives, driven by hand-made scheduler data.
+    from tests.worker.test_model_runner import PROMPTS, make_runner, run_by_hand
+
+    for mode in RUNNER_MODES:
+        runner = make_runner(Path(stories), mode)
+        out[f"runner_{mode}"] = {
+            "kv_heads": runner.num_kv_heads,
+            "bytes_per_block": runner.kv_cache_bytes_per_block(),
+            "ids": run_by_hand(runner, PROMPTS, 8),
+        }
     dummy = ModelConfig(model=stories, load_format="dummy")
     model = get_model(dummy, load_hf_config(dummy), torch.float32, "cpu")
     out["dummy_logits"] = _logits(model, STORIES_PROMPT)
@@ -223,3 +238,18 @@ def test_an_intermediate_size_two_ranks_cannot_split_names_tensor_parallel_size(
         assert r.get("bad_intermediate_size") == (
             "tensor_parallel_size (2) must divide intermediate_size (95)"
         )
+
+
+def test_the_model_runner_at_tp2_caches_its_kv_heads_and_decodes_as_tp1(
+    ranks: list[dict[str, Any]], stories_dir: Path
+) -> None:
+    from tests.worker.test_model_runner import PROMPTS, make_runner, run_by_hand
+
+    tp1 = make_runner(stories_dir, "NONE")
+    want = run_by_hand(tp1, PROMPTS, 8)
+    for r in ranks:
+        for mode in RUNNER_MODES:
+            got = r[f"runner_{mode}"]
+            assert got["kv_heads"] == tp1.num_kv_heads // 2 == 2, mode
+            assert got["bytes_per_block"] * 2 == tp1.kv_cache_bytes_per_block(), mode
+            assert got["ids"] == want, mode
