@@ -132,6 +132,7 @@ class ColumnParallelLinear(ReplicatedLinear):
         super().__init__(input_size, per_rank, bias)
         self.output_size = output_size
         self.output_size_per_partition = per_rank
+        self.full_weight_shape = (output_size, input_size)  # the checkpoint's, all ranks'
         self.gather_output = gather_output and self.tp_size > 1
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any) -> None:
@@ -176,6 +177,7 @@ class RowParallelLinear(ReplicatedLinear):
         super().__init__(per_rank, output_size, bias)
         self.input_size = input_size
         self.input_size_per_partition = per_rank
+        self.full_weight_shape = (output_size, input_size)
         self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any) -> None:
@@ -234,6 +236,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """(offset, size) of shard `shard_id` in this rank's stacked rows."""
         sizes = self.output_sizes_per_partition
         return sum(sizes[:shard_id]), sizes[shard_id]  # type: ignore[index]
+
+    @property
+    def full_output_sizes(self) -> list[int]:
+        """Rows of each shard's checkpoint tensor (its output size on all ranks)."""
+        return [self.checkpoint_range(i)[1] for i in range(len(self.output_sizes))]
 
     def checkpoint_range(self, shard_id: int | str) -> tuple[int, int]:
         """(first row, rows in all) of shard `shard_id`'s checkpoint tensor: this rank

@@ -45,6 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size
         per_rank = self.num_embeddings_padded // self.tp_size
         self.num_embeddings_per_partition = per_rank
+        self.full_weight_shape = (num_embeddings, embedding_dim)  # the checkpoint's
         # This rank's ids: [vocab_start_index, vocab_end_index), padding rows excluded.
         self.vocab_start_index = min(self.tp_rank * per_rank, num_embeddings)
         self.vocab_end_index = min(self.vocab_start_index + per_rank, num_embeddings)

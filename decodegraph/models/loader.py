@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from decodegraph.config import ModelConfig
+from decodegraph.layers.linear import MergedColumnParallelLinear
 from decodegraph.models.bundled import bundled_model_path
 from decodegraph.models.presets import get_preset_config, is_preset
 from decodegraph.models.registry import get_model_class
@@ -173,7 +174,9 @@ def iterate_safetensors(path: Path) -> Iterator[tuple[str, CheckpointSlice]]:
 @torch.no_grad()
 def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights for benchmarks: normal(0, std) matrices, norm weights 1, biases 0.
-    Deterministic for a seed."""
+    Deterministic for a seed, and the same model whatever the tensor parallel size: a
+    rank draws each matrix it holds part of whole, as a single process would, and keeps
+    its part (one matrix at a time), so its shards are slices of the unsharded weights."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -184,4 +187,28 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
             # Drawn where the parameter lives: no host copy of a billion values.
             if param.device not in generators:
                 generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-            param.normal_(0.0, std, generator=generators[param.device])
+            generator = generators[param.device]
+            module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            if getattr(module, "tp_size", 1) == 1:
+                param.normal_(0.0, std, generator=generator)
+            else:
+                _draw_whole_keep_shard(module, param, generator, std)
+
+
+def _draw_whole_keep_shard(
+    module: nn.Module, param: nn.Parameter, generator: torch.Generator, std: float
+) -> None:
+    """Draw the unsharded matrix of a tensor-parallel layer's `param` and load this
+    rank's part of it through the layer's weight_loader."""
+    if isinstance(module, MergedColumnParallelLinear):
+        sizes = module.full_output_sizes
+        shape = (sum(sizes), *param.shape[1:])
+    else:
+        shape = module.full_weight_shape
+    full = torch.empty(shape, dtype=param.dtype, device=param.device)
+    full.normal_(0.0, std, generator=generator)
+    if isinstance(module, MergedColumnParallelLinear):
+        for shard_id, piece in enumerate(full.split(sizes)):
+            module.weight_loader(param, piece, shard_id)
+    else:
+        module.weight_loader(param, full)

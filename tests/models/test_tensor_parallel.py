@@ -39,7 +39,11 @@ EXTRA = {
     "llama-one-kv-head": ("llama-gqa", {"num_key_value_heads": 1}),
     "llama-tied-odd-vocab": ("llama-tied", {"vocab_size": 127}),
 }
-TRACED = "qwen3"  # the checkpoint whose TP forward is also traced with make_fx
+TRACED = "qwen3"
+RUNNER_MODES = [
+    "NONE",
+    "FULL_AND_PIECEWISE",
+]  # the checkpoint whose TP forward is also traced with make_fx
 
 
 class _CountingSlice:
@@ -83,6 +87,10 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(model(t, torch.arange(len(ids))))
 
 
+def _forward_and_logits(model: torch.nn.Module) -> Any:
+    return lambda ids, pos: model.compute_logits(model(ids, pos))
+
+
 @torch.no_grad()
 def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": get_tensor_model_parallel_rank()}
@@ -96,7 +104,7 @@ def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
         }
         if name == TRACED:
             ids, pos = torch.tensor(PROMPT[:5]), torch.arange(5)
-            gm = make_fx(lambda i, p, m=model: m.compute_logits(m(i, p)))(ids, pos)
+            gm = make_fx(_forward_and_logits(model))(ids, pos)
             targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
             out["traced_ops"] = targets
             other = torch.tensor([9, 8, 7, 6, 5])
@@ -109,6 +117,17 @@ def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
         get_model_class(bad)(bad)
     except ValueError as e:
         out["bad_intermediate_size"] = str(e)
+    # The model runner at TP 2 (its KV cache holds this rank's heads), eager and with
+    # graphs that contain the collectives, driven by hand-made scheduler data.
+    from tests.worker.test_model_runner import PROMPTS, make_runner, run_by_hand
+
+    for mode in RUNNER_MODES:
+        runner = make_runner(Path(stories), mode)
+        out[f"runner_{mode}"] = {
+            "kv_heads": runner.num_kv_heads,
+            "bytes_per_block": runner.kv_cache_bytes_per_block(),
+            "ids": run_by_hand(runner, PROMPTS, 8),
+        }
     dummy = ModelConfig(model=stories, load_format="dummy")
     model = get_model(dummy, load_hf_config(dummy), torch.float32, "cpu")
     out["dummy_logits"] = _logits(model, STORIES_PROMPT)
@@ -202,10 +221,14 @@ def test_a_tp_forward_traces_with_one_all_reduce_per_block_and_replays(
         torch.testing.assert_close(replayed, eager)
 
 
-def test_dummy_weights_load_at_tp2_and_run(ranks: list[dict[str, Any]]) -> None:
+def test_dummy_weights_at_tp2_are_slices_of_the_tp1_dummy_weights(
+    ranks: list[dict[str, Any]], stories_dir: Path
+) -> None:
+    mc = ModelConfig(model=str(stories_dir), load_format="dummy")
+    tp1 = _logits(get_model(mc, load_hf_config(mc), torch.float32, "cpu"), STORIES_PROMPT)
+    assert tp1.std() > 0.01  # far from the tolerance below: the comparison means something
     for r in ranks:
-        logits = r["dummy_logits"]
-        assert logits.shape == (len(STORIES_PROMPT), 512) and torch.isfinite(logits).all()
+        torch.testing.assert_close(r["dummy_logits"], tp1, atol=1e-5, rtol=1e-5)
 
 
 def test_an_intermediate_size_two_ranks_cannot_split_names_tensor_parallel_size(
@@ -215,3 +238,18 @@ def test_an_intermediate_size_two_ranks_cannot_split_names_tensor_parallel_size(
         assert r.get("bad_intermediate_size") == (
             "tensor_parallel_size (2) must divide intermediate_size (95)"
         )
+
+
+def test_the_model_runner_at_tp2_caches_its_kv_heads_and_decodes_as_tp1(
+    ranks: list[dict[str, Any]], stories_dir: Path
+) -> None:
+    from tests.worker.test_model_runner import PROMPTS, make_runner, run_by_hand
+
+    tp1 = make_runner(stories_dir, "NONE")
+    want = run_by_hand(tp1, PROMPTS, 8)
+    for r in ranks:
+        for mode in RUNNER_MODES:
+            got = r[f"runner_{mode}"]
+            assert got["kv_heads"] == tp1.num_kv_heads // 2 == 2, mode
+            assert got["bytes_per_block"] * 2 == tp1.kv_cache_bytes_per_block(), mode
+            assert got["ids"] == want, mode
