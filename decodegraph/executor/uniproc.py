@@ -22,7 +22,9 @@ class UniProcExecutor(Executor):
         worker_cls = resolve_worker_cls(pc.worker_cls)
         host = pc.master_addr
         init_method = tcp_init_method(host, pc.master_port or free_port(host))
-        self.driver_worker = worker_cls(config, rank=0, local_rank=0, distributed_init_method=init_method)
+        self.driver_worker = worker_cls(
+            config, rank=0, local_rank=0, distributed_init_method=init_method
+        )
         self.driver_worker.init_device()
         # The step path is the worker's own bound method: no frame, no message, and its
         # exceptions arrive as they were raised.
