@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
             )
         results[mode] = {
-            "resolved_mode": engine.graph_mode.name,
-            "num_graphs": engine.capture_stats.num_graphs,
+            "resolved_mode": engine.engine_core.graph_mode.name,
+            "num_graphs": engine.engine_core.capture_stats.num_graphs,
             "batch_sizes": per_size,
         }
     print_table(["mode", "batch", "avg ms", "p50 ms", "p99 ms", "output tok/s"], rows)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = statistics.median(seconds[mode])
         engine = engines[mode].llm_engine
         results[mode] = {
-            "resolved_mode": engine.graph_mode.name,
+            "resolved_mode": engine.engine_core.graph_mode.name,
             "elapsed_time": elapsed,
             "runs": seconds[mode],
             "requests_per_s": args.num_prompts / elapsed,

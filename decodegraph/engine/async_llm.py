@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from decodegraph.engine.llm_engine import EngineDeadError
+from decodegraph.engine.core import EngineDeadError
 from decodegraph.metrics import EngineMetrics
 from decodegraph.outputs import RequestOutput
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams

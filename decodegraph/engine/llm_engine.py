@@ -1,8 +1,8 @@
 """The synchronous engine: requests in, one scheduled and executed step at a time.
 
-step():  scheduler.schedule() -> dispatcher (the step's plan) ->
+step():  engine_core.step() [scheduler.schedule() -> dispatcher (the step's plan) ->
          executor.execute_model() (every rank's model runner) ->
-         scheduler.update_from_output() -> output_processor (detokenize, stop strings)
+         scheduler.update_from_output()] -> output_processor (detokenize, stop strings)
 
 The engine lives in the driver; the model runners live in the executor's workers (in
 this process at tensor_parallel_size 1). The driver's dispatcher decides each step's
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,16 +21,9 @@ from pathlib import Path
 import torch
 
 from decodegraph.config import EngineConfig
-from decodegraph.core.kv_cache_spec import SlidingWindowSpec
-from decodegraph.core.kv_cache_utils import kv_cache_block_counts
-from decodegraph.core.scheduler import Scheduler
 from decodegraph.engine.arg_utils import EngineArgs, UsageContext
+from decodegraph.engine.core import EngineCore
 from decodegraph.engine.output_processor import OutputProcessor
-from decodegraph.executor.abstract import Executor
-from decodegraph.forward_context import BatchDescriptor
-from decodegraph.graphs.dispatcher import CudagraphDispatcher
-from decodegraph.graphs.graph_runner import CaptureStats
-from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
 from decodegraph.request import Request, RequestStatus
@@ -39,7 +31,6 @@ from decodegraph.sampling_params import SamplingParams
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.tokenizer import get_tokenizer
 from decodegraph.worker.model_runner import ModelRunner
-from decodegraph.worker.worker import GraphInfo, KVCacheInfo, RankInfo
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +55,12 @@ class EngineStats:
     prefix_cache_hits: int = 0
 
 
-class EngineDeadError(RuntimeError):
-    """A step failed (a worker died or raised): the engine serves nothing any more."""
-
-
 class LLMEngine:
-    """Owns the tokenizer, scheduler, dispatcher, executor and output processor."""
+    """Text in, text out: the tokenizer, request intake and the output processor, over
+    an `EngineCore` (scheduler, dispatcher, executor)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        mc, cc = config.model_config, config.cache_config
+        mc = config.model_config
         self.config = config
         self.model_config = mc
         self.platform = get_platform(config.device_config.device)
@@ -88,77 +76,10 @@ class LLMEngine:
             config.structured_outputs_config,
         )
         self.vocab_size: int = mc.hf_config.vocab_size
-        # Set when a step failed; every later step raises EngineDeadError with it.
-        self.dead: BaseException | None = None
-        phases: dict[str, float] = {}
-        start = last = time.perf_counter()
-
-        def phase(name: str) -> None:
-            nonlocal last
-            now = time.perf_counter()
-            phases[name] = now - last
-            last = now
-
-        self.executor: Executor = Executor.get_class(config)(config)
-        driver_worker = getattr(self.executor, "driver_worker", None)
-        if driver_worker is not None:
-            self.platform = driver_worker.platform  # one instance per process
-        try:
-            self.ranks: list[RankInfo] = self.executor.collective_rpc("describe")
-            self.executor.collective_rpc("init_structured_output", (self.structured_output,))
-            self.executor.collective_rpc("load_model")
-            phase("load")
-            self.executor.collective_rpc("profile_run")
-            phase("profile")
-            num_blocks = self._num_kv_blocks(self.executor.collective_rpc("get_kv_cache_info"))
-            self.executor.collective_rpc("initialize_kv_cache", (num_blocks,))
-            phase("KV cache")
-            graph_info = self._graph_info(self.executor.collective_rpc("resolve_graph_mode"))
-            stats: list[CaptureStats] = self.executor.collective_rpc("capture_graphs")
-            phase("capture")
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        self.graph_info = graph_info
-        self.graph_mode: CUDAGraphMode = graph_info.mode
-        self.num_blocks_per_group = num_blocks
-        # The one dispatcher of the engine: each step's plan, sent to every rank.
-        self.dispatcher = CudagraphDispatcher(
-            graph_info.mode, graph_info.capture_sizes, graph_info.max_num_reqs
-        )
-        # (step kind, runtime mode) -> steps; step kind is "decode" or "mixed".
-        self.mode_counts: Counter[tuple[str, str]] = Counter()
-        self.capture_stats = stats[0]
-        # Start-up phases and their seconds, for logs and `decodegraph graphs`.
-        self.startup_seconds = phases
-        groups = self.kv_cache_groups
-        logger.info(
-            "Engine ready in %.1f s (%s): %s, KV blocks of %d tokens: %s; graph mode %s "
-            "(%d graphs%s)",
-            time.perf_counter() - start,
-            ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
-            mc.model,
-            cc.block_size,
-            ", ".join(f"{g.name} {n - 1}" for g, n in zip(groups, num_blocks, strict=True)),
-            graph_info.mode.name,
-            stats[0].num_graphs,
-            " per rank" if len(stats) > 1 else "",
-        )
-        if len(self.ranks) > 1:
-            logger.info(
-                "Tensor parallel: %d ranks, executor %s, %s; %s",
-                len(self.ranks),
-                config.parallel_config.distributed_executor_backend,
-                self.platform.dist_backend,
-                "; ".join(
-                    f"rank {r.rank} on {r.host} pid {r.pid} {r.device} ({r.threads} threads, "
-                    f"{s.num_graphs} graphs)"
-                    for r, s in zip(self.ranks, stats, strict=True)
-                ),
-            )
-        self.scheduler = Scheduler(
-            config.scheduler_config, cc, mc.max_model_len, num_blocks, groups
-        )
+        self.engine_core = EngineCore(config, self.platform, self.structured_output)
+        # The parts callers (the CLI, benchmarks, tests) read directly.
+        self.platform = self.engine_core.platform
+        self.scheduler = self.engine_core.scheduler
         self.output_processor = OutputProcessor(self.tokenizer)
         self._prompt_tokens_total = 0
 
@@ -170,71 +91,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- start-up
 
-    def _num_kv_blocks(self, infos: list[KVCacheInfo]) -> list[int]:
-        """KV blocks per KV cache group, the same on every rank: `num_gpu_blocks_override`
-        each when given; else `kv_cache_memory_bytes` (a rank's), or the smallest of
-        the ranks' budgets (the platform's, less the attention workspace and the graph
-        pool, allocated after the KV cache), shared out between the groups
-        (core/kv_cache_utils.py)."""
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        info = infos[0]
-        groups = self.kv_cache_groups = info.groups
-        per_block = info.bytes_per_block
-        if cc.num_gpu_blocks_override is not None:
-            counts = [cc.num_gpu_blocks_override] * len(groups)
-        else:
-            if cc.kv_cache_memory_bytes is not None:
-                budget = cc.kv_cache_memory_bytes
-            else:
-                budget = min(i.available_bytes for i in infos)
-            counts = kv_cache_block_counts(
-                groups,
-                per_block,
-                budget,
-                sc.max_num_seqs,
-                sc.max_num_batched_tokens,
-                self.model_config.max_model_len,
-            )
-        needed = info.max_blocks_per_seq + 1  # one full-length sequence plus the null block
-        for group, count, size in zip(groups, counts, per_block, strict=True):
-            if isinstance(group.spec, SlidingWindowSpec) or count >= needed:
-                continue
-            field_name = (
-                "num_gpu_blocks_override"
-                if cc.num_gpu_blocks_override is not None
-                else "kv_cache_memory_bytes"
-                if cc.kv_cache_memory_bytes is not None
-                else "gpu_memory_utilization"
-            )
-            raise ValueError(
-                f"{field_name}: the KV cache holds {count} blocks of {cc.block_size} "
-                f"tokens, but max_model_len={self.model_config.max_model_len} needs {needed} "
-                f"(each block is {size} bytes); raise the budget or lower max_model_len"
-            )
-        return counts
-
-    @staticmethod
-    def _graph_info(infos: list[GraphInfo]) -> GraphInfo:
-        """Rank 0's resolved mode and sizes; every rank must have resolved the same."""
-        for rank, info in enumerate(infos[1:], start=1):
-            if (info.mode, info.capture_sizes) != (infos[0].mode, infos[0].capture_sizes):
-                raise RuntimeError(
-                    f"rank {rank} resolved graph mode {info.mode.name} with capture sizes "
-                    f"{info.capture_sizes}, rank 0 {infos[0].mode.name} with "
-                    f"{infos[0].capture_sizes}: every rank must replay the same graphs"
-                )
-        return infos[0]
-
     @property
     def runner(self) -> ModelRunner:
         """The model runner, where it shares this process (tensor_parallel_size 1)."""
-        worker = getattr(self.executor, "driver_worker", None)
-        if worker is None:
-            raise AttributeError(
-                "the model runners live in the executor's worker processes "
-                f"(tensor_parallel_size {self.config.parallel_config.tensor_parallel_size})"
-            )
-        return worker.runner
+        return self.engine_core.runner
 
     def _eos_token_ids(self) -> tuple[int | None, list[int]]:
         """The model's EOS id and any further ones it lists.
@@ -370,54 +230,29 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the outputs of requests that progressed."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine failed earlier: {self.dead}") from self.dead
-        sched_out = self.scheduler.schedule()
-        num_tokens = sched_out.total_num_scheduled_tokens
-        if num_tokens == 0:
+        _, core_outputs = self.engine_core.step()
+        if not core_outputs:
             return []
-        num_reqs = sched_out.num_reqs
-        uniform = num_tokens == num_reqs
-        plan = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
-        self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
-        try:
-            runner_out = self.executor.execute_model(sched_out, plan)
-        except BaseException as e:
-            self._fail(e)
-            raise
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
-    def _fail(self, error: BaseException) -> None:
-        """After a failed step: no step runs again, and the workers are stopped (a rank
-        may be waiting in a collective for one that is gone)."""
-        self.dead = error
-        logger.error("step failed, the engine stops: %s", error)
-        self.executor.shutdown()
-
     def check_health(self) -> None:
         """Raise EngineDeadError once a step failed or a worker is gone."""
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine failed: {self.dead}")
-        try:
-            self.executor.check_health()
-        except Exception as e:
-            self._fail(e)
-            raise EngineDeadError(f"the engine failed: {e}") from e
+        self.engine_core.check_health()
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
-        self.executor.shutdown()
+        self.engine_core.shutdown()
 
     # ---------------------------------------------------------------- introspection
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         graph_runs: dict[str, int] = {}
-        for (_, mode), count in self.mode_counts.items():
+        mode_counts = self.engine_core.mode_counts
+        for (_, mode), count in mode_counts.items():
             graph_runs[mode] = graph_runs.get(mode, 0) + count
         return EngineStats(
             num_running=self.scheduler.num_running,
@@ -428,7 +263,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self.scheduler.num_generated_tokens,
             graph_runs=graph_runs,
-            mode_counts=dict(self.mode_counts),
+            mode_counts=dict(mode_counts),
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
         )

@@ -90,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     steps = ", ".join(f"{mode} {n}" for mode, n in sorted(stats.graph_runs.items()))
     print(
         f"--- {num_tokens} tokens in {elapsed:.3f} s ({num_tokens / elapsed:,.0f} tokens/s); "
-        f"graph mode {engine.graph_mode.name}; steps by mode: {steps}"
+        f"graph mode {engine.engine_core.graph_mode.name}; steps by mode: {steps}"
     )
     return 0
 
@@ -149,9 +149,9 @@ def _graphs(args: argparse.Namespace) -> int:
 
 def graphs_report(engine: object) -> dict:
     """What `decodegraph graphs` prints, as a dict (its --json output)."""
-    info, cs = engine.graph_info, engine.capture_stats
+    info, cs = engine.engine_core.graph_info, engine.engine_core.capture_stats
     keys = []
-    for mode, descriptors in engine.dispatcher.keys.items():
+    for mode, descriptors in engine.engine_core.dispatcher.keys.items():
         if not descriptors:
             continue
         # A runtime mode's keys are all uniform decode keys or all mixed ones.
@@ -175,21 +175,25 @@ def graphs_report(engine: object) -> dict:
         ),
         "resolved_mode": info.mode.name,
         "resolution": info.reasons,
-        "capture_sizes": engine.dispatcher.capture_sizes,
+        "capture_sizes": engine.engine_core.dispatcher.capture_sizes,
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
         "keys": keys,
         "capture_seconds": round(cs.seconds, 3),
         "capture_memory_bytes": cs.memory_bytes,
-        "startup_seconds": {k: round(v, 3) for k, v in engine.startup_seconds.items()},
-        "kv_cache_blocks": engine.num_blocks_per_group[0] - 1,
+        "startup_seconds": {k: round(v, 3) for k, v in engine.engine_core.startup_seconds.items()},
+        "kv_cache_blocks": engine.engine_core.num_blocks_per_group[0] - 1,
         # KV cache group name -> its usable blocks (a sliding-window group needs few).
         "kv_cache_groups": {
             g.name: n - 1
-            for g, n in zip(engine.kv_cache_groups, engine.num_blocks_per_group, strict=True)
+            for g, n in zip(
+                engine.engine_core.kv_cache_groups,
+                engine.engine_core.num_blocks_per_group,
+                strict=True,
+            )
         },
         "block_size": engine.config.cache_config.block_size,
-        "tensor_parallel_size": len(engine.ranks),
+        "tensor_parallel_size": len(engine.engine_core.ranks),
     }
 
 

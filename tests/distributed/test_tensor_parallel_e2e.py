@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import torch
@@ -34,6 +35,7 @@ from decodegraph.sampling_params import RequestOutputKind
 from tests.conftest import STORIES_GREEDY_TEXT
 from tests.utils.checkpoints import VOCAB_SIZE, make_checkpoint
 from tests.utils.requests import greedy
+from tests.utils.server import make_engine, start_server
 
 # One checkpoint per architecture (and Llama with one KV head: two ranks replicate it).
 ARCHS = ["llama-gqa", "llama-mqa", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3"]
@@ -143,7 +145,9 @@ def check_tp_run(llm: LLM, model: str, reference: object, mode: str) -> None:
     assert stats.mode_counts.get(("mixed", mixed[mode]), 0) > 0
     if mode != "NONE":
         assert stats.mode_counts.get(("decode", "FULL"), 0) > 0
-    assert len(engine.ranks) == 2 and len({r.pid for r in engine.ranks}) == 2
+    assert (
+        len(engine.engine_core.ranks) == 2 and len({r.pid for r in engine.engine_core.ranks}) == 2
+    )
 
 
 @pytest.mark.parametrize("model", ["stories", *ARCHS])
@@ -216,7 +220,7 @@ def test_a_killed_worker_fails_the_requests_in_flight_within_90_s_and_leaves_no_
         str(stories_dir), tensor_parallel_size=2, max_model_len=512, enforce_eager=True
     ).llm_engine
     async_llm = AsyncLLM(engine)
-    victim = engine.ranks[1].pid
+    victim = engine.engine_core.ranks[1].pid
     params = greedy(500)
     params.output_kind = RequestOutputKind.DELTA
 
@@ -234,7 +238,7 @@ def test_a_killed_worker_fails_the_requests_in_flight_within_90_s_and_leaves_no_
         assert async_llm.errored
     finally:
         async_llm.shutdown()
-    assert not [r.pid for r in engine.ranks if _alive(r.pid)]
+    assert not [r.pid for r in engine.engine_core.ranks if _alive(r.pid)]
 
 
 def _alive(pid: int) -> bool:
@@ -315,3 +319,29 @@ def _free_port_pair() -> int:
                     continue
             return port
     raise RuntimeError("no two adjacent free ports on loopback")
+
+
+def test_the_server_answers_unhealthy_once_a_worker_died_and_refuses_requests(
+    stories_dir: Path,
+) -> None:
+    """A real server on loopback over a TP 2 engine: a worker killed while idle turns
+    /health to 503 (the engine's watchdog, not a failed step), and a request then gets
+    an error answer, not a hang."""
+    server = start_server(make_engine(stories_dir, tensor_parallel_size=2, max_model_len=128))
+    engine = server.async_llm.engine
+    try:
+        assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+        os.kill(engine.engine_core.ranks[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while httpx.get(f"{server.base_url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health still 200 after a worker died"
+            time.sleep(0.2)
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": server.model_name, "prompt": "Once", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code >= 500 and "error" in reply.json()
+    finally:
+        server.stop()
+    assert not [r.pid for r in engine.engine_core.ranks if _alive(r.pid)]

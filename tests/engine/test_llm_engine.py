@@ -398,10 +398,10 @@ def test_final_only_requests_show_nothing_until_the_end_and_match_cumulative(
 def test_start_up_logs_each_phase_with_its_seconds(
     stories_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level("INFO", logger="decodegraph.engine.llm_engine")
+    caplog.set_level("INFO", logger="decodegraph.engine.core")
     engine = make_engine(stories_dir)
-    assert list(engine.startup_seconds) == ["load", "profile", "KV cache", "capture"]
-    assert all(seconds >= 0 for seconds in engine.startup_seconds.values())
+    assert list(engine.engine_core.startup_seconds) == ["load", "profile", "KV cache", "capture"]
+    assert all(seconds >= 0 for seconds in engine.engine_core.startup_seconds.values())
     (line,) = [r.getMessage() for r in caplog.records if "Engine ready" in r.getMessage()]
     for phase in ("load", "profile", "KV cache", "capture"):
         assert f"{phase} " in line and " s" in line

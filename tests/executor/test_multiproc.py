@@ -141,7 +141,9 @@ def test_an_error_while_the_other_rank_waits_in_a_collective_fails_in_bounded_ti
     monkeypatch.setattr(multiproc, "AFTER_ERROR_S", 1.0)
     e = MultiprocExecutor(dummy_config(tensor_parallel_size=2))
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 0 .* after rank 1 raised") as info:
+    with pytest.raises(
+        WorkerDiedError, match="rank 0 .* after worker rank 1 raised .*asked to fail on rank 1"
+    ) as info:
         e.collective_rpc("raise_then_all_reduce", (1,))
     assert time.monotonic() - start < 5.0
     assert isinstance(info.value.__cause__, WorkerError) and info.value.__cause__.rank == 1

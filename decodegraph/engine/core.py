@@ -1,0 +1,232 @@
+"""`EngineCore`: the scheduler, the dispatcher and the executor (vLLM's name).
+
+It starts the workers (one per tensor-parallel rank, through the executor) in lockstep:
+load, profile, size the KV cache from every rank's budget, resolve the graph mode and
+capture; then each `step` schedules a batch, plans it (the one dispatcher: runtime mode
+and padded key, the same for every rank), runs it on every rank and turns the runner's
+output into per-request outputs. Tokens in, tokens out: text is the `LLMEngine`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from decodegraph.config import EngineConfig
+from decodegraph.core.kv_cache_spec import SlidingWindowSpec
+from decodegraph.core.kv_cache_utils import kv_cache_block_counts
+from decodegraph.core.sched_output import EngineCoreOutput, SchedulerOutput
+from decodegraph.core.scheduler import Scheduler
+from decodegraph.executor.abstract import Executor
+from decodegraph.forward_context import BatchDescriptor
+from decodegraph.graphs.dispatcher import CudagraphDispatcher
+from decodegraph.graphs.graph_runner import CaptureStats
+from decodegraph.graphs.modes import CUDAGraphMode
+from decodegraph.platforms.base import Platform
+from decodegraph.structured_output.manager import StructuredOutputManager
+from decodegraph.worker.model_runner import ModelRunner
+from decodegraph.worker.worker import GraphInfo, KVCacheInfo, RankInfo
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A step failed (a worker died or raised): the engine serves nothing any more."""
+
+
+class EngineCore:
+    """Schedules, plans and runs steps on the executor's workers."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        structured_output: StructuredOutputManager,
+    ) -> None:
+        mc, cc = config.model_config, config.cache_config
+        self.config = config
+        self.model_config = mc
+        self.platform = platform
+        # Set when a step failed; every later step raises EngineDeadError with it.
+        self.dead: BaseException | None = None
+        phases: dict[str, float] = {}
+        start = last = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            phases[name] = now - last
+            last = now
+
+        self.executor: Executor = Executor.get_class(config)(config)
+        driver_worker = getattr(self.executor, "driver_worker", None)
+        if driver_worker is not None:
+            self.platform = driver_worker.platform  # one instance per process
+        try:
+            self.ranks: list[RankInfo] = self.executor.collective_rpc("describe")
+            self.executor.collective_rpc("init_structured_output", (structured_output,))
+            self.executor.collective_rpc("load_model")
+            phase("load")
+            self.executor.collective_rpc("profile_run")
+            phase("profile")
+            num_blocks = self._num_kv_blocks(self.executor.collective_rpc("get_kv_cache_info"))
+            self.executor.collective_rpc("initialize_kv_cache", (num_blocks,))
+            phase("KV cache")
+            graph_info = self._graph_info(self.executor.collective_rpc("resolve_graph_mode"))
+            stats: list[CaptureStats] = self.executor.collective_rpc("capture_graphs")
+            phase("capture")
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.graph_info = graph_info
+        self.graph_mode: CUDAGraphMode = graph_info.mode
+        self.num_blocks_per_group = num_blocks
+        # The one dispatcher of the engine: each step's plan, sent to every rank.
+        self.dispatcher = CudagraphDispatcher(
+            graph_info.mode, graph_info.capture_sizes, graph_info.max_num_reqs
+        )
+        # (step kind, runtime mode) -> steps; step kind is "decode" or "mixed".
+        self.mode_counts: Counter[tuple[str, str]] = Counter()
+        self.capture_stats = stats[0]
+        # Start-up phases and their seconds, for logs and `decodegraph graphs`.
+        self.startup_seconds = phases
+        groups = self.kv_cache_groups
+        logger.info(
+            "Engine ready in %.1f s (%s): %s, KV blocks of %d tokens: %s; graph mode %s "
+            "(%d graphs%s)",
+            time.perf_counter() - start,
+            ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
+            mc.model,
+            cc.block_size,
+            ", ".join(f"{g.name} {n - 1}" for g, n in zip(groups, num_blocks, strict=True)),
+            graph_info.mode.name,
+            stats[0].num_graphs,
+            " per rank" if len(stats) > 1 else "",
+        )
+        if len(self.ranks) > 1:
+            logger.info(
+                "Tensor parallel: %d ranks, executor %s, %s; %s",
+                len(self.ranks),
+                config.parallel_config.distributed_executor_backend,
+                self.platform.dist_backend,
+                "; ".join(
+                    f"rank {r.rank} on {r.host} pid {r.pid} {r.device} ({r.threads} threads, "
+                    f"{s.num_graphs} graphs)"
+                    for r, s in zip(self.ranks, stats, strict=True)
+                ),
+            )
+        self.scheduler = Scheduler(
+            config.scheduler_config, cc, mc.max_model_len, num_blocks, groups
+        )
+
+    # ---------------------------------------------------------------- start-up
+
+    def _num_kv_blocks(self, infos: list[KVCacheInfo]) -> list[int]:
+        """KV blocks per KV cache group, the same on every rank: `num_gpu_blocks_override`
+        each when given; else `kv_cache_memory_bytes` (a rank's), or the smallest of
+        the ranks' budgets (the platform's, less the attention workspace and the graph
+        pool, allocated after the KV cache), shared out between the groups
+        (core/kv_cache_utils.py)."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        info = infos[0]
+        groups = self.kv_cache_groups = info.groups
+        per_block = info.bytes_per_block
+        if cc.num_gpu_blocks_override is not None:
+            counts = [cc.num_gpu_blocks_override] * len(groups)
+        else:
+            if cc.kv_cache_memory_bytes is not None:
+                budget = cc.kv_cache_memory_bytes
+            else:
+                budget = min(i.available_bytes for i in infos)
+            counts = kv_cache_block_counts(
+                groups,
+                per_block,
+                budget,
+                sc.max_num_seqs,
+                sc.max_num_batched_tokens,
+                self.model_config.max_model_len,
+            )
+        needed = info.max_blocks_per_seq + 1  # one full-length sequence plus the null block
+        for group, count, size in zip(groups, counts, per_block, strict=True):
+            if isinstance(group.spec, SlidingWindowSpec) or count >= needed:
+                continue
+            field_name = (
+                "num_gpu_blocks_override"
+                if cc.num_gpu_blocks_override is not None
+                else "kv_cache_memory_bytes"
+                if cc.kv_cache_memory_bytes is not None
+                else "gpu_memory_utilization"
+            )
+            raise ValueError(
+                f"{field_name}: the KV cache holds {count} blocks of {cc.block_size} "
+                f"tokens, but max_model_len={self.model_config.max_model_len} needs {needed} "
+                f"(each block is {size} bytes); raise the budget or lower max_model_len"
+            )
+        return counts
+
+    @staticmethod
+    def _graph_info(infos: list[GraphInfo]) -> GraphInfo:
+        """Rank 0's resolved mode and sizes; every rank must have resolved the same."""
+        for rank, info in enumerate(infos[1:], start=1):
+            if (info.mode, info.capture_sizes) != (infos[0].mode, infos[0].capture_sizes):
+                raise RuntimeError(
+                    f"rank {rank} resolved graph mode {info.mode.name} with capture sizes "
+                    f"{info.capture_sizes}, rank 0 {infos[0].mode.name} with "
+                    f"{infos[0].capture_sizes}: every rank must replay the same graphs"
+                )
+        return infos[0]
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner, where it shares this process (tensor_parallel_size 1)."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError(
+                "the model runners live in the executor's worker processes "
+                f"(tensor_parallel_size {self.config.parallel_config.tensor_parallel_size})"
+            )
+        return worker.runner
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """Schedule one batch, plan it, run it on every rank; the per-request outputs
+        (none when nothing was scheduled)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.dead}") from self.dead
+        sched_out = self.scheduler.schedule()
+        num_tokens = sched_out.total_num_scheduled_tokens
+        if num_tokens == 0:
+            return sched_out, []
+        num_reqs = sched_out.num_reqs
+        uniform = num_tokens == num_reqs
+        plan = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
+        self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
+        try:
+            runner_out = self.executor.execute_model(sched_out, plan)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        return sched_out, self.scheduler.update_from_output(sched_out, runner_out)
+
+    def _fail(self, error: BaseException) -> None:
+        """After a failed step: no step runs again, and the workers are stopped (a rank
+        may be waiting in a collective for one that is gone)."""
+        self.dead = error
+        logger.error("step failed, the engine stops: %s", error)
+        self.executor.shutdown()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError once a step failed or a worker is gone."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed: {self.dead}")
+        try:
+            self.executor.check_health()
+        except Exception as e:
+            self._fail(e)
+            raise EngineDeadError(f"the engine failed: {e}") from e
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+        self.executor.shutdown()
