@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -34,6 +32,7 @@ from decodegraph.entrypoints.llm import LLM
 from decodegraph.sampling_params import RequestOutputKind
 from tests.conftest import STORIES_GREEDY_TEXT
 from tests.utils.checkpoints import VOCAB_SIZE, make_checkpoint
+from tests.utils.processes import free_port_pair, gone
 from tests.utils.requests import greedy
 from tests.utils.server import make_engine, start_server
 
@@ -238,14 +237,7 @@ def test_a_killed_worker_fails_the_requests_in_flight_within_90_s_and_leaves_no_
         assert async_llm.errored
     finally:
         async_llm.shutdown()
-    assert not [r.pid for r in engine.engine_core.ranks if _alive(r.pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    assert gone([r.pid for r in engine.engine_core.ranks], within_s=10)
 
 
 def test_the_ray_backend_gives_the_ids_of_one_rank(
@@ -264,7 +256,7 @@ def test_two_nodes_meeting_on_loopback_give_the_ids_of_one_node(
 ) -> None:
     """Node 1 is `decodegraph serve --headless` with the same engine flags; node 0 runs
     the engine and rank 0; they meet at master_addr:master_port."""
-    path, port = model_dirs["llama-gqa"], _free_port_pair()
+    path, port = model_dirs["llama-gqa"], free_port_pair()
     flags = {
         "--max-model-len": TIGHT["max_model_len"],
         "--max-num-seqs": TIGHT["max_num_seqs"],
@@ -303,24 +295,6 @@ def test_two_nodes_meeting_on_loopback_give_the_ids_of_one_node(
             node1.wait()
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free on loopback (torch.distributed's and the
-    driver's listener)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two adjacent free ports on loopback")
-
-
 def test_the_server_answers_unhealthy_once_a_worker_died_and_refuses_requests(
     stories_dir: Path,
 ) -> None:
@@ -344,4 +318,4 @@ def test_the_server_answers_unhealthy_once_a_worker_died_and_refuses_requests(
         assert reply.status_code >= 500 and "error" in reply.json()
     finally:
         server.stop()
-    assert not [r.pid for r in engine.engine_core.ranks if _alive(r.pid)]
+    assert gone([r.pid for r in engine.engine_core.ranks], within_s=10)

@@ -20,7 +20,7 @@ from decodegraph.executor.abstract import Executor, WorkerDiedError, WorkerError
 from decodegraph.executor.mp_ranks import cpu_shares
 from decodegraph.executor.multiproc import MultiprocExecutor
 from tests.executor.dummy_worker import QUALNAME, dummy_config
-from tests.executor.processes import free_port_pair, gone, live_children
+from tests.utils.processes import free_port_pair, gone, live_children
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)

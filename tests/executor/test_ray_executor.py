@@ -16,7 +16,7 @@ import decodegraph
 from decodegraph.executor.abstract import Executor, WorkerDiedError, WorkerError
 from decodegraph.executor.ray_executor import RayExecutor
 from tests.executor.dummy_worker import dummy_config
-from tests.executor.processes import gone
+from tests.utils.processes import gone
 
 pytestmark = pytest.mark.timeout(120)
 
