@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from decodegraph.engine.async_llm import AsyncLLM
-from decodegraph.engine.llm_engine import EngineDeadError
+from decodegraph.engine.core import EngineDeadError
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.sampling_params import RequestOutputKind
 from tests.conftest import STORIES_GREEDY_TEXT
