@@ -29,7 +29,8 @@ from transformers import AutoModelForCausalLM
 from decodegraph.engine.async_llm import AsyncLLM
 from decodegraph.engine.core import EngineDeadError
 from decodegraph.entrypoints.llm import LLM
-from decodegraph.sampling_params import RequestOutputKind
+from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+from decodegraph.structured_output.params import StructuredOutputsParams
 from tests.conftest import STORIES_GREEDY_TEXT
 from tests.utils.checkpoints import VOCAB_SIZE, make_checkpoint
 from tests.utils.processes import free_port_pair, gone
@@ -319,3 +320,40 @@ def test_the_server_answers_unhealthy_once_a_worker_died_and_refuses_requests(
     finally:
         server.stop()
     assert gone([r.pid for r in engine.engine_core.ranks], within_s=10)
+
+
+def test_two_ranks_sample_logprobs_and_grammars_as_one(stories_dir: Path) -> None:
+    """Rank 0 samples for both ranks: seeded random sampling, logprobs, prompt logprobs
+    and a grammar give what tensor_parallel_size 1 gives (every rank feeds rank 0's
+    tokens to its next step)."""
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom"]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=16, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2),
+        SamplingParams(
+            temperature=0.8,
+            seed=3,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(choice=["happy", "sad", "big red ball"]),
+        ),
+    ]
+
+    def run(tp: int) -> list:
+        llm = LLM(str(stories_dir), tensor_parallel_size=tp, max_model_len=128, enforce_eager=True)
+        try:
+            return llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+
+    one, two = run(1), run(2)
+    for a, b in zip(one, two, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+    assert two[2].outputs[0].text in ("happy", "sad", "big red ball")
+    for lp_a, lp_b in zip(one[0].outputs[0].logprobs, two[0].outputs[0].logprobs, strict=True):
+        assert lp_b.keys() == lp_a.keys()
+        for t in lp_a:
+            assert lp_b[t].logprob == pytest.approx(lp_a[t].logprob, abs=1e-4)
+    assert len(two[1].prompt_logprobs) == len(one[1].prompt_logprobs) > 1
+    for pa, pb in zip(one[1].prompt_logprobs[1:], two[1].prompt_logprobs[1:], strict=True):
+        assert pb.keys() == pa.keys()
