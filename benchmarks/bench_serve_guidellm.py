@@ -10,7 +10,9 @@ no temperature). The rounds alternate configurations and the medians count, so t
 machine shared with others slows every configuration alike.
 
 `--server NAME=DIR` (repeatable) serves from another source tree as well, e.g. the
-commit before a change, so that before and after are measured in the same rounds.
+commit before a change, so that before and after are measured in the same rounds;
+`--variant NAME=FLAGS` (repeatable) serves this tree with extra serve flags as well,
+e.g. `--variant proc=--engine-core-process`.
 
 guidellm is an optional benchmark dependency, run as a separate process (a client; its
 own dependencies need not match ours): `python3 -m venv /tmp/guidellm-venv &&
@@ -62,6 +64,13 @@ def main() -> None:
         metavar="NAME=DIR",
         help="also serve from the source tree DIR (repeatable); this tree is 'current'",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also serve this tree with these extra serve flags (repeatable)",
+    )
     parser.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_serve_guidellm.json"))
     args = parser.parse_args()
@@ -71,18 +80,20 @@ def main() -> None:
     tokenizer_dir = bundled_model_path(args.model) or Path(args.model).expanduser()
 
     sources = {"current": str(ROOT)}
+    flags: dict[str, list[str]] = {"current": []}
     for spec in args.server:
         name, _, src = spec.partition("=")
-        sources[name] = str(Path(src).resolve())
+        sources[name], flags[name] = str(Path(src).resolve()), []
+    for spec in args.variant:
+        name, _, extra = spec.partition("=")
+        sources[name], flags[name] = str(ROOT), extra.split()
     servers: dict[str, tuple[subprocess.Popen, int]] = {}
     try:
         for name, src in sources.items():
             port = _free_port()
             env = {**os.environ, "PYTHONPATH": src}
-            servers[name] = (
-                start_server(args.model, args.mode, port, args.server_arg, env=env),
-                port,
-            )
+            extra = [*args.server_arg, *flags[name]]
+            servers[name] = (start_server(args.model, args.mode, port, extra, env=env), port)
         llm = _offline_engine(args)
         for port in (p for _, p in servers.values()):  # one-off costs, untimed
             _guidellm(guidellm, args, tokenizer_dir, port, max(args.concurrency), 64)
@@ -127,7 +138,7 @@ def main() -> None:
             "mode": args.mode,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
-            "servers": sources,
+            "servers": {name: [src, *flags[name]] for name, src in sources.items()},
             "medians_output_tok_s": medians,
             "runs": runs,
         },

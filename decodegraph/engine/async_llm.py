@@ -8,6 +8,12 @@ After each step it routes the outputs to per-request collectors with one
 collector merges the DELTA outputs that pile up while its consumer is busy (as vLLM's
 `RequestOutputCollector`), so a consumer that falls behind catches up with one chunk for
 several steps instead of one per step.
+
+With the engine core in a process of its own (`LLMEngine(engine_core_process=True)`),
+the engine thread does not step: it waits on the core's output pipe and on a wake-up
+socket beside its command queue, sends the commands' requests and aborts to the core in
+one message per wake-up, and runs the output processor on each step's outputs as they
+arrive. The core steps by itself meanwhile, off this process's GIL.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any
 
 from decodegraph.engine.core import EngineDeadError
@@ -104,6 +112,17 @@ class AsyncLLM:
             str(self.model_config.served_model_name), lambda: self._latest_stats
         )
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        # With the core in its own process the engine thread sleeps on its pipe and this
+        # socket; every command put writes a byte here to wake it.
+        self._core_process = bool(getattr(engine, "engine_core_process", False))
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        if self._core_process:
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+        # Futures of ("stats",) commands the core has not answered yet, in order.
+        self._stats_waiting: deque[Future] = deque()
         # Touched by the engine thread only.
         self._streams: dict[str, _RequestStream] = {}
         self._latest_stats: Any = None
@@ -117,14 +136,21 @@ class AsyncLLM:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: Any, usage_context: Any = None) -> AsyncLLM:
+    def from_engine_args(
+        cls, engine_args: Any, usage_context: Any = None, *, engine_core_process: bool = False
+    ) -> AsyncLLM:
         """Build the engine from `EngineArgs` (for `usage_context`, a UsageContext:
-        ENGINE_CONTEXT when None) and start its thread."""
+        ENGINE_CONTEXT when None), its core in a process of its own with
+        `engine_core_process`, and start its thread."""
         from decodegraph.engine.arg_utils import UsageContext
         from decodegraph.engine.llm_engine import LLMEngine
 
         context = UsageContext.ENGINE_CONTEXT if usage_context is None else usage_context
-        return cls(LLMEngine.from_engine_args(engine_args, context))
+        return cls(
+            LLMEngine.from_engine_args(
+                engine_args, context, engine_core_process=engine_core_process
+            )
+        )
 
     # --- asyncio side ----------------------------------------------------------------
 
@@ -158,12 +184,12 @@ class AsyncLLM:
         """
         self.check_health()
         stream = _RequestStream(request_id, asyncio.get_running_loop(), params.output_kind)
-        self._commands.put(("add", stream, prompt, params))
+        self._put(("add", stream, prompt, params))
         try:
             ack = await stream.collector.get()
         except asyncio.CancelledError:
             # The client left while we waited; the request may be in the engine already.
-            self._commands.put(("abort", [request_id]))
+            self._put(("abort", [request_id]))
             raise
         if ack is not _ACCEPTED:
             raise ack
@@ -185,7 +211,7 @@ class AsyncLLM:
             # Runs on cancellation (client disconnect) and on aclose() as well; the abort
             # is a plain queue put so it works even while the task is being cancelled.
             if not finished:
-                self._commands.put(("abort", [stream.request_id]))
+                self._put(("abort", [stream.request_id]))
 
     async def generate(
         self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str
@@ -202,30 +228,41 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests by id (unknown or finished ids are ignored)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._commands.put(("abort", ids))
+        self._put(("abort", ids))
 
     async def get_stats(self) -> Any:
         """Exact engine stats, read on the engine thread."""
         self.check_health()
         fut: Future = Future()
-        self._commands.put(("stats", fut))
+        self._put(("stats", fut))
         return await asyncio.wrap_future(fut)
 
     def get_stats_sync(self, timeout: float = 10.0) -> Any:
         """`get_stats` for callers outside any event loop (tests, benchmarks)."""
         self.check_health()
         fut: Future = Future()
-        self._commands.put(("stats", fut))
+        self._put(("stats", fut))
         return fut.result(timeout)
+
+    def _put(self, cmd: tuple) -> None:
+        """Hand a command to the engine thread (from any thread)."""
+        self._commands.put(cmd)
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"\0")
+            except (BlockingIOError, OSError):
+                pass  # full: the thread has wake-ups pending anyway; closed: shut down
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (pending requests are aborted) and wait for it."""
         if self._thread.is_alive():
-            self._commands.put(("shutdown",))
+            self._put(("shutdown",))
             self._thread.join(timeout)
         engine_shutdown = getattr(self.engine, "shutdown", None)
         if engine_shutdown is not None:
             engine_shutdown()
+        if self._wake_w is not None:
+            self._wake_w.close()
 
     # --- engine thread ---------------------------------------------------------------
 
@@ -233,6 +270,8 @@ class AsyncLLM:
         engine = self.engine
         try:
             self._latest_stats = engine.get_stats()
+            if self._core_process:
+                self._client_loop()
             while not self._stopped:
                 # Sleep on the queue only when there is nothing to step.
                 busy = engine.has_unfinished_requests()
@@ -266,6 +305,39 @@ class AsyncLLM:
         self._fail_all(EngineDeadError("engine was shut down"))
         self._fail_pending_commands()
 
+    def _client_loop(self) -> None:
+        """The engine thread's loop with the core in its own process: wait for outputs
+        or commands; send the commands' work to the core in one message; process and
+        deliver each step's outputs as they come."""
+        engine = self.engine
+        client = engine.engine_core
+        waitables = [client.output_conn, self._wake_r, client.process.sentinel]
+        while not self._stopped:
+            ready = wait(waitables)
+            if self._wake_r in ready:
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                self._handle(cmd)
+            if self._stopped:
+                return
+            client.flush()
+            for message in client.read_messages():
+                self._route(engine.process_outputs(message.outputs))
+                if message.stats is not None:
+                    self._latest_stats = message.stats
+                for _ in range(message.num_stats_replies):
+                    self._stats_waiting.popleft().set_result(message.stats)
+            client.flush()  # the stop strings' finishes
+            client.check_health()
+
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
@@ -291,6 +363,10 @@ class AsyncLLM:
                     del self._streams[rid]
         elif kind == "stats":
             fut: Future = cmd[1]
+            if self._core_process:  # answered by the core, in order
+                self.engine.engine_core.request_stats()
+                self._stats_waiting.append(fut)
+                return
             try:
                 fut.set_result(self.engine.get_stats())
             except Exception as e:  # noqa: BLE001 - hand the error to the caller
@@ -354,6 +430,8 @@ class AsyncLLM:
 
     def _fail_pending_commands(self) -> None:
         error = EngineDeadError("engine is not running")
+        while self._stats_waiting:
+            self._stats_waiting.popleft().set_exception(error)
         while True:
             try:
                 cmd = self._commands.get_nowait()

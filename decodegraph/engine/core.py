@@ -5,6 +5,10 @@ load, profile, size the KV cache from every rank's budget, resolve the graph mod
 capture; then each `step` schedules a batch, plans it (the one dispatcher: runtime mode
 and padded key, the same for every rank), runs it on every rank and turns the runner's
 output into per-request outputs. Tokens in, tokens out: text is the `LLMEngine`'s.
+
+Requests come in as `EngineCoreRequest`s (plain, picklable data, already validated and
+tokenized), so that the same calls work whether the core shares the `LLMEngine`'s
+process or runs in one of its own (engine/core_proc.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from decodegraph.config import EngineConfig
 from decodegraph.core.kv_cache_spec import SlidingWindowSpec
@@ -24,6 +30,8 @@ from decodegraph.graphs.dispatcher import CudagraphDispatcher
 from decodegraph.graphs.graph_runner import CaptureStats
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.platforms.base import Platform
+from decodegraph.request import Request, RequestStatus
+from decodegraph.sampling_params import SamplingParams
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.worker.model_runner import ModelRunner
 from decodegraph.worker.worker import GraphInfo, KVCacheInfo, RankInfo
@@ -33,6 +41,36 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """A step failed (a worker died or raised): the engine serves nothing any more."""
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """One sequence to schedule, as the front sends it (vLLM's name): validated and
+    tokenized, with the engine's defaults (max_tokens, extra EOS ids) filled in."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float  # time.monotonic(): one clock for every process of the host
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int  # usable blocks of the first KV cache group (the null block excluded)
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    # Runtime mode name -> steps run in it; and (step kind, mode) -> steps.
+    graph_runs: dict[str, int] = field(default_factory=dict)
+    mode_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineCore:
@@ -119,6 +157,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler_config, cc, mc.max_model_len, num_blocks, groups
         )
+        self._prompt_tokens_total = 0
 
     # ---------------------------------------------------------------- start-up
 
@@ -188,7 +227,54 @@ class EngineCore:
             )
         return worker.runner
 
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue one sequence for the scheduler."""
+        self.scheduler.add_request(
+            Request(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                arrival_time=request.arrival_time,
+            )
+        )
+        self._prompt_tokens_total += len(request.prompt_token_ids)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish sequences (aborted, or stopped by a stop string the front matched);
+        unknown or finished ids are ignored."""
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        """The scheduler's, the KV cache's and the graphs' counters now."""
+        kv = self.scheduler.kv_cache_manager
+        graph_runs: dict[str, int] = {}
+        for (_, mode), count in self.mode_counts.items():
+            graph_runs[mode] = graph_runs.get(mode, 0) + count
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.kv_cache_usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks[0],
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self.scheduler.num_generated_tokens,
+            graph_runs=graph_runs,
+            mode_counts=dict(self.mode_counts),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )
+
     # ---------------------------------------------------------------- the step
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        """One step's per-request outputs (`step` without its SchedulerOutput)."""
+        return self.step()[1]
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """Schedule one batch, plan it, run it on every rank; the per-request outputs

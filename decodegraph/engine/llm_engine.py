@@ -7,6 +7,12 @@ step():  engine_core.step() [scheduler.schedule() -> dispatcher (the step's plan
 The engine lives in the driver; the model runners live in the executor's workers (in
 this process at tensor_parallel_size 1). The driver's dispatcher decides each step's
 runtime mode and padded key once, and every rank runs that plan (docs/design.md §8).
+
+With `engine_core_process`, the EngineCore (and with it the executor and its workers)
+runs in a process of its own that steps by itself (engine/core_proc.py); this engine
+keeps the tokenizer, validation and the output processor, sends it requests and reads
+its outputs (engine/core_client.py), so that none of the core's Python shares this
+process's GIL.
 """
 
 from __future__ import annotations
@@ -15,51 +21,37 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from decodegraph.config import EngineConfig
+from decodegraph.core.sched_output import EngineCoreOutput
 from decodegraph.engine.arg_utils import EngineArgs, UsageContext
-from decodegraph.engine.core import EngineCore
+from decodegraph.engine.core import EngineCore, EngineCoreRequest, EngineStats
 from decodegraph.engine.output_processor import OutputProcessor
 from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
-from decodegraph.request import Request, RequestStatus
+from decodegraph.request import RequestStatus
 from decodegraph.sampling_params import SamplingParams
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.tokenizer import get_tokenizer
 from decodegraph.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from decodegraph.engine.core_client import EngineCoreClient
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
 
 
-@dataclass
-class EngineStats:
-    """A snapshot for metrics and logs."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_blocks: int  # usable blocks of the first KV cache group (the null block excluded)
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    # Runtime mode name -> steps run in it; and (step kind, mode) -> steps.
-    graph_runs: dict[str, int] = field(default_factory=dict)
-    mode_counts: dict[tuple[str, str], int] = field(default_factory=dict)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
 class LLMEngine:
     """Text in, text out: the tokenizer, request intake and the output processor, over
     an `EngineCore` (scheduler, dispatcher, executor)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, engine_core_process: bool = False) -> None:
         mc = config.model_config
         self.config = config
         self.model_config = mc
@@ -67,64 +59,46 @@ class LLMEngine:
         self.platform.check_and_update_config(config)
         torch.manual_seed(mc.seed)
         self.tokenizer = get_tokenizer(mc, mc.model_path)
-        self.eos_token_id, self.extra_eos_token_ids = self._eos_token_ids()
-        eos_ids = [self.eos_token_id, *self.extra_eos_token_ids]
-        self.structured_output = StructuredOutputManager(
-            self.tokenizer,
-            mc.hf_config.vocab_size,
-            [t for t in eos_ids if t is not None],
-            config.structured_outputs_config,
-        )
+        self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(mc, self.tokenizer)
+        # Here it compiles grammars to refuse bad ones before anything is queued (and,
+        # with the core in this process, is the core's too).
+        self.structured_output = make_structured_output(config, self.tokenizer)
         self.vocab_size: int = mc.hf_config.vocab_size
-        self.engine_core = EngineCore(config, self.platform, self.structured_output)
-        # The parts callers (the CLI, benchmarks, tests) read directly.
-        self.platform = self.engine_core.platform
-        self.scheduler = self.engine_core.scheduler
+        self.engine_core: EngineCore | EngineCoreClient
+        if engine_core_process:
+            from decodegraph.engine.core_client import EngineCoreClient
+
+            self.engine_core = EngineCoreClient(config)
+            self.scheduler = None  # in the core's process
+        else:
+            self.engine_core = EngineCore(config, self.platform, self.structured_output)
+            # The parts callers (the CLI, benchmarks, tests) read directly.
+            self.platform = self.engine_core.platform
+            self.scheduler = self.engine_core.scheduler
+        self.engine_core_process = engine_core_process
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._prompt_tokens_total = 0
 
     @classmethod
     def from_engine_args(
-        cls, engine_args: EngineArgs, usage_context: UsageContext = UsageContext.ENGINE_CONTEXT
+        cls,
+        engine_args: EngineArgs,
+        usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
+        *,
+        engine_core_process: bool = False,
     ) -> LLMEngine:
-        return cls(engine_args.create_engine_config(usage_context))
+        return cls(
+            engine_args.create_engine_config(usage_context),
+            engine_core_process=engine_core_process,
+        )
 
     # ---------------------------------------------------------------- start-up
 
     @property
     def runner(self) -> ModelRunner:
         """The model runner, where it shares this process (tensor_parallel_size 1)."""
-        return self.engine_core.runner
-
-    def _eos_token_ids(self) -> tuple[int | None, list[int]]:
-        """The model's EOS id and any further ones it lists.
-
-        Instruct models often list several (Llama 3.x: end_of_text, eom_id, eot_id) in
-        config.json or generation_config.json; as in vLLM, the first is the EOS and the
-        others act as stop token ids of every request that does not ignore EOS.
-        """
-        ids: list[int] = []
-        for eos in (
-            getattr(self.model_config.hf_config, "eos_token_id", None),
-            self._generation_config().get("eos_token_id"),
-        ):
-            for t in eos if isinstance(eos, (list, tuple)) else [eos]:
-                if isinstance(t, int) and t not in ids:
-                    ids.append(t)
-        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.append(self.tokenizer.eos_token_id)
-        return (ids[0] if ids else None), ids[1:]
-
-    def _generation_config(self) -> dict:
-        path = self.model_config.model_path
-        file = Path(path) / "generation_config.json" if path is not None else None
-        if file is None or not file.is_file():
-            return {}
-        try:
-            return json.loads(file.read_text())
-        except (OSError, ValueError) as e:
-            logger.warning("Ignoring unreadable %s: %s", file, e)
-            return {}
+        if isinstance(self.engine_core, EngineCore):
+            return self.engine_core.runner
+        raise AttributeError("the model runner lives in the engine core's process")
 
     # ---------------------------------------------------------------- requests
 
@@ -199,43 +173,47 @@ class LLMEngine:
                     child_params.max_tokens = max_len - len(ids)
                 child_params.stop_token_ids += extra_eos
             children.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=ids,
-                    sampling_params=child_params,
-                    eos_token_id=self.eos_token_id,
-                    arrival_time=arrival,
-                )
+                EngineCoreRequest(child_id, ids, child_params, self.eos_token_id, arrival)
             )
         self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival)
         for child in children:
-            self.scheduler.add_request(child)
-        self._prompt_tokens_total += len(ids) * len(children)
+            self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort parent requests (their children too); unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             children = self.output_processor.child_ids(rid)
-            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self.engine_core.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
+        if self.scheduler is None:  # the core's process has the scheduler
+            return self.output_processor.has_unfinished_requests()
         return self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
+        if self.scheduler is None:
+            return self.output_processor.get_num_unfinished_requests()
         return self.scheduler.get_num_unfinished_requests()
 
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of requests that progressed."""
-        _, core_outputs = self.engine_core.step()
+        """Run one scheduled batch (with the core in its own process: wait for the next
+        one it ran); return the outputs of requests that progressed."""
+        return self.process_outputs(self.engine_core.get_output())
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Text, stop strings and `RequestOutput`s for one step's core outputs; the
+        sequences a stop string ended are finished in the core."""
         if not core_outputs:
             return []
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
-            self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+            self.engine_core.finish_requests(
+                processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED
+            )
         return processed.request_outputs
 
     def check_health(self) -> None:
@@ -249,24 +227,8 @@ class LLMEngine:
     # ---------------------------------------------------------------- introspection
 
     def get_stats(self) -> EngineStats:
-        kv = self.scheduler.kv_cache_manager
-        graph_runs: dict[str, int] = {}
-        mode_counts = self.engine_core.mode_counts
-        for (_, mode), count in mode_counts.items():
-            graph_runs[mode] = graph_runs.get(mode, 0) + count
-        return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.scheduler.kv_cache_usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.num_blocks[0],
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self.scheduler.num_generated_tokens,
-            graph_runs=graph_runs,
-            mode_counts=dict(mode_counts),
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-        )
+        """The core's stats (with the core in its own process, the latest it sent)."""
+        return self.engine_core.get_stats()
 
     def apply_chat_template(
         self,
@@ -292,3 +254,46 @@ class LLMEngine:
             tokenize=False,
             tools=tools,
         )
+
+
+def eos_token_ids(model_config: Any, tokenizer: Any | None) -> tuple[int | None, list[int]]:
+    """The model's EOS id and any further ones it lists.
+
+    Instruct models often list several (Llama 3.x: end_of_text, eom_id, eot_id) in
+    config.json or generation_config.json; as in vLLM, the first is the EOS and the
+    others act as stop token ids of every request that does not ignore EOS.
+    """
+    ids: list[int] = []
+    for eos in (
+        getattr(model_config.hf_config, "eos_token_id", None),
+        _generation_config(model_config.model_path).get("eos_token_id"),
+    ):
+        for t in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return (ids[0] if ids else None), ids[1:]
+
+
+def make_structured_output(config: EngineConfig, tokenizer: Any | None) -> StructuredOutputManager:
+    """The grammar compiler for `config`'s model (the front's and the core's alike)."""
+    mc = config.model_config
+    eos, extra = eos_token_ids(mc, tokenizer)
+    return StructuredOutputManager(
+        tokenizer,
+        mc.hf_config.vocab_size,
+        [t for t in [eos, *extra] if t is not None],
+        config.structured_outputs_config,
+    )
+
+
+def _generation_config(path: str | Path | None) -> dict:
+    file = Path(path) / "generation_config.json" if path is not None else None
+    if file is None or not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("Ignoring unreadable %s: %s", file, e)
+        return {}

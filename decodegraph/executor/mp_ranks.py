@@ -86,7 +86,9 @@ class _RankArgs:
 # ----------------------------------------------------------------------------- worker
 
 
-def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+def die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+    """End this spawned process when its parent ends: PR_SET_PDEATHSIG (Linux; only when
+    the parent spawned it from its main thread) and a thread that watches the pid."""
     if use_pdeathsig and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -129,7 +131,7 @@ def _error_reply(tb: str, exc: BaseException) -> tuple:
 def _worker_main(a: _RankArgs) -> None:
     """A spawned rank: build the worker, then answer the driver's calls until told to
     stop or the driver goes away."""
-    _die_with_parent(a.parent_pid, a.use_pdeathsig)
+    die_with_parent(a.parent_pid, a.use_pdeathsig)
     # Ctrl-C reaches the whole process group: the driver decides what stops, not this.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(a.env)

@@ -27,8 +27,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_engine(model_dir: Path, **overrides: Any) -> Any:
-    """A real `LLMEngine` on stories260K, eager and with a small KV cache by default."""
+def make_engine(model_dir: Path, *, engine_core_process: bool = False, **overrides: Any) -> Any:
+    """A real `LLMEngine` on stories260K, eager and with a small KV cache by default; its
+    core in a process of its own with `engine_core_process`."""
     from decodegraph.engine.arg_utils import EngineArgs
     from decodegraph.engine.llm_engine import LLMEngine
 
@@ -41,7 +42,10 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
     }
     wanted.update(overrides)
     known = {f.name for f in dataclasses.fields(EngineArgs)}
-    return LLMEngine.from_engine_args(EngineArgs(**{k: v for k, v in wanted.items() if k in known}))
+    return LLMEngine.from_engine_args(
+        EngineArgs(**{k: v for k, v in wanted.items() if k in known}),
+        engine_core_process=engine_core_process,
+    )
 
 
 @dataclass

@@ -55,6 +55,9 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 1 << 20
 # (in most torch ops and in every queue wait). Measured in docs/performance.md
 # (2026-12-01, server throughput).
 SERVER_SWITCH_INTERVAL_S = 0.02
+# Whether `serve` runs the engine core in a process of its own (--engine-core-process);
+# chosen by measurement, docs/performance.md (server throughput).
+DEFAULT_ENGINE_CORE_PROCESS = False
 try:
     VERSION = importlib.metadata.version("decodegraph")
 except importlib.metadata.PackageNotFoundError:  # run from a source tree
@@ -298,6 +301,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)",
     )
     parser.add_argument(
+        "--engine-core-process",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_ENGINE_CORE_PROCESS,
+        help="run the engine core (scheduler, executor, its workers) in a process of its "
+        "own, off the server's GIL (docs/performance.md, server throughput)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -324,10 +334,15 @@ def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> argparse.Arg
 
 
 def build_async_llm(args: argparse.Namespace) -> AsyncLLM:
-    """Build the engine from the parsed serve arguments and start its thread."""
+    """Build the engine from the parsed serve arguments (its core in its own process
+    with --engine-core-process) and start its thread."""
     from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 
-    return AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), UsageContext.OPENAI_API_SERVER)
+    return AsyncLLM.from_engine_args(
+        EngineArgs.from_cli_args(args),
+        UsageContext.OPENAI_API_SERVER,
+        engine_core_process=getattr(args, "engine_core_process", DEFAULT_ENGINE_CORE_PROCESS),
+    )
 
 
 def run_server(args: argparse.Namespace) -> None:
