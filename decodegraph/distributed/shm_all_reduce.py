@@ -123,6 +123,7 @@ def create_shm_all_reduce(
     dist.all_gather_object(errors, error, group=group)
     if rank == 0:
         torch.ops.decodegraph_cpu.shm_segment_unlink(name)
+    dist.barrier(group=group)  # so that no rank sees the name once this returns
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
         if handle is not None:

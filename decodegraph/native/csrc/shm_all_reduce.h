@@ -84,12 +84,15 @@ class ShmSegment {
         const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                               : shm_open(name.c_str(), O_RDWR, 0600);
         TORCH_CHECK(fd >= 0, "shm segment: shm_open(", name, ") failed: ", std::strerror(errno));
-        if (create && ftruncate(fd, static_cast<off_t>(size_)) != 0) {
-            const int err = errno;
+        // Allocated now, not on first touch: a /dev/shm too small for the segment is an
+        // error here (and the group keeps gloo) rather than a SIGBUS mid-step.
+        const int alloc_err =
+            create ? posix_fallocate(fd, 0, static_cast<off_t>(size_)) : 0;
+        if (alloc_err != 0) {
             close(fd);
             shm_unlink(name.c_str());
-            TORCH_CHECK(false, "shm segment: ftruncate(", name, ", ", size_,
-                        ") failed: ", std::strerror(err));
+            TORCH_CHECK(false, "shm segment: cannot allocate ", size_, " bytes for ", name,
+                        ": ", std::strerror(alloc_err));
         }
         struct stat st {};
         const bool sized = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == size_;
