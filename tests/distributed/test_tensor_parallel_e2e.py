@@ -159,7 +159,7 @@ def test_two_ranks_give_the_ids_of_one_and_of_transformers_with_piecewise_and_fu
     try:
         check_tp_run(llm, model, reference, "FULL_AND_PIECEWISE")
         # Each rank captured the decode graphs and every size's pieces.
-        graphs = llm.llm_engine.capture_stats.by_mode
+        graphs = llm.llm_engine.engine_core.capture_stats.by_mode
         decode_sizes = [s for s in SIZES if s <= TIGHT["max_num_seqs"]]
         assert graphs["FULL"] == len(decode_sizes) and graphs["PIECEWISE"] > len(SIZES)
     finally:
