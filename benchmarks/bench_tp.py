@@ -17,6 +17,7 @@ GPU tensor parallelism cannot be measured at all: it needs two devices.
 
     python benchmarks/bench_tp.py                  # ~minutes on 2 cores
     python benchmarks/bench_tp.py --dtype bfloat16 --rounds 5
+    python benchmarks/bench_tp.py --gloo           # TP 2's all-reduces over gloo
 
 Prints a table and saves benchmarks/results/bench_tp.json.
 """
@@ -95,8 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="TP 1's intra-op threads"
     )
+    p.add_argument(
+        "--gloo", action="store_true", help="TP 2's all-reduces over gloo, not shared memory"
+    )
     p.add_argument("--output-json", default=str(RESULTS / "bench_tp.json"))
     args = p.parse_args(argv)
+    if args.gloo:
+        os.environ["DECODEGRAPH_CPU_SHM_ALLREDUCE"] = "0"  # the workers inherit it
 
     dtype = getattr(torch, args.dtype)
     path = peers.make_mid_checkpoint(
@@ -162,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": args.tokens,
             "batch": args.batch,
             "rounds": args.rounds,
+            "tp2_all_reduce": "gloo" if args.gloo else "shared memory where available",
             "tp1_threads": args.threads,
             "rows": rows,
             "ratio_batch1": ratio(b1),

@@ -9,7 +9,11 @@ The collectives a forward calls (all-reduce, all-gather) are the functional ones
 (`torch.ops._c10d_functional`, what `torch.distributed._functional_collectives` is
 built on): each returns a new tensor and is followed by an explicit `wait_tensor`, so
 make_fx records them as graph nodes and Inductor compiles them into a CPU graph; on
-CUDA they run on NCCL inside a captured graph. `TPGroup.broadcast` and
+CUDA they run on NCCL inside a captured graph. On a gloo group whose ranks share one
+host both go through a shared-memory segment instead (distributed/shm_all_reduce.py:
+the operators `decodegraph_cpu::shm_all_reduce` and `shm_all_gather`, opaque in a
+graph like the functional ones), except for tensors too large for its slots and, for
+the all-reduce, dtypes other than float32 and bfloat16. `TPGroup.broadcast` and
 `broadcast_object` are eager helpers for the runner (rank 0's sampled ids), never
 called inside a graph.
 """
@@ -21,6 +25,8 @@ import logging
 
 import torch
 import torch.distributed as dist
+
+from decodegraph.distributed.shm_all_reduce import ShmAllReduce, create_shm_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,7 @@ class TPGroup:
         world_size: int,
         device_group: dist.ProcessGroup | None = None,
         cpu_group: dist.ProcessGroup | None = None,
+        shm: ShmAllReduce | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -43,6 +50,8 @@ class TPGroup:
         self.cpu_group = cpu_group if cpu_group is not None else device_group
         # The name the functional collectives find the group by.
         self.group_name: str | None = device_group.group_name if device_group else None
+        # The ranks' shared-memory segment, where they share a host (else None: gloo).
+        self.shm = shm
 
     @property
     def is_first_rank(self) -> bool:
@@ -52,6 +61,8 @@ class TPGroup:
         """Sum of `x` over the ranks, as a new tensor (`x` itself at world size 1)."""
         if self.world_size == 1:
             return x
+        if self.shm is not None and self.shm.applies(x):
+            return self.shm.all_reduce(x)
         out = torch.ops._c10d_functional.all_reduce(x, "sum", self.group_name)
         return torch.ops._c10d_functional.wait_tensor(out)
 
@@ -61,10 +72,13 @@ class TPGroup:
             return x
         dim = dim % x.dim()
         # The collective stacks along dim 0; other dims are put together from its chunks.
-        out = torch.ops._c10d_functional.all_gather_into_tensor(
-            x.contiguous(), self.world_size, self.group_name
-        )
-        out = torch.ops._c10d_functional.wait_tensor(out)
+        if self.shm is not None and self.shm.fits(x):
+            out = self.shm.all_gather(x)
+        else:
+            out = torch.ops._c10d_functional.all_gather_into_tensor(
+                x.contiguous(), self.world_size, self.group_name
+            )
+            out = torch.ops._c10d_functional.wait_tensor(out)
         if dim == 0:
             return out
         return torch.cat(out.chunk(self.world_size, dim=0), dim=dim)
@@ -107,7 +121,9 @@ def init_distributed_environment(
     """Join the `world_size`-process group at `init_method` (e.g. "tcp://127.0.0.1:29500")
     as `rank` with `backend` ("gloo" on CPU, "nccl" on CUDA), and make every rank one
     tensor-parallel group. `timeout_s` bounds each collective (a dead peer then fails
-    the others instead of hanging them). At world size 1 no process group is made."""
+    the others instead of hanging them). At world size 1 no process group is made.
+    A gloo group on one host gets a shared-memory all-reduce (module docstring);
+    DECODEGRAPH_CPU_SHM_ALLREDUCE=0 keeps gloo."""
     global _TP_GROUP
     if _TP_GROUP is not None:
         if (_TP_GROUP.rank, _TP_GROUP.world_size) != (rank, world_size):
@@ -129,20 +145,27 @@ def init_distributed_environment(
     device_group = dist.new_group(ranks, backend=backend, **kwargs)
     # Host objects go through gloo whatever the device backend is.
     cpu_group = device_group if backend == "gloo" else dist.new_group(ranks, "gloo", **kwargs)
-    _TP_GROUP = TPGroup(rank, world_size, device_group, cpu_group)
+    shm, why = None, f"backend {backend}"
+    if backend == "gloo":
+        shm, why = create_shm_all_reduce(rank, world_size, cpu_group, timeout_s)
+    _TP_GROUP = TPGroup(rank, world_size, device_group, cpu_group, shm)
     logger.info(
-        "rank %d of %d (local rank %d): backend %s at %s",
+        "rank %d of %d (local rank %d): backend %s at %s; all-reduce: %s (%s)",
         rank,
         world_size,
         local_rank,
         backend,
         init_method,
+        "shared memory" if shm is not None else backend,
+        why,
     )
 
 
 def destroy_distributed_environment() -> None:
     """Leave the process group (if any); the group is a world of one again."""
     global _TP_GROUP
+    if _TP_GROUP is not None and _TP_GROUP.shm is not None:
+        _TP_GROUP.shm.close()
     _TP_GROUP = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -11,6 +11,10 @@
 - `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.h, bit for bit the
   tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.h): one pass each
   instead of five and three ops per layer.
+- `decodegraph_cpu::shm_all_reduce` and `shm_all_gather` (csrc/shm_all_reduce.h): the
+  tensor-parallel collectives between the ranks of one host through shared memory, set
+  up by decodegraph/distributed/shm_all_reduce.py; a gloo all-reduce over loopback costs
+  more than a decode step's matmuls.
 
 csrc/cpu_ops.cpp registers them. Each kernel is written once against torch's
 at::vec::Vectorized<float> (csrc/vec.h): the build picks the vector ISA of the machine,
@@ -163,6 +167,14 @@ def _register_fakes() -> None:
     def _(x):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
+    @torch.library.register_fake("decodegraph_cpu::shm_all_reduce")
+    def _(x, handle):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("decodegraph_cpu::shm_all_gather")
+    def _(x, handle, world_size):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0] * world_size, *x.shape[1:]))
+
 
 def _ninja_on_path() -> None:
     """torch's extension builder runs `ninja` from PATH. The ninja dependency puts it in
@@ -258,7 +270,7 @@ def cpu_ops_for(x: torch.Tensor) -> object | None:
 def decompositions() -> dict:
     """For graph traces: each loaded pointwise or norm operator -> the aten ops it stands
     for (a graph pays no per-op dispatch, and a compiler fuses these with their
-    neighbours)."""
+    neighbours). The collectives are not among them: they stay opaque."""
     if not hasattr(torch.ops, "decodegraph_cpu") or not hasattr(
         torch.ops.decodegraph_cpu, "rms_norm"
     ):

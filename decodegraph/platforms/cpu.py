@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from decodegraph import native
-from decodegraph.distributed.parallel_state import get_tensor_model_parallel_world_size
 from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
 from decodegraph.platforms.cpu_graph import CpuGraph, compile_with_inductor
 
@@ -86,13 +85,9 @@ class CpuPlatform(Platform):
         return native.decompositions()
 
     def inductor_options(self, config: CompilationConfig) -> dict[str, object]:
-        """The platform's Inductor options, with the user's on top. Under tensor
-        parallelism the graphs hold collectives, whose arguments (a process group's
-        name) Inductor's C++ wrapper cannot pass yet: the Python wrapper calls them."""
-        options = dict(self.default_inductor_options)
-        if get_tensor_model_parallel_world_size() > 1:
-            options["cpp_wrapper"] = False
-        return {**options, **config.inductor_compile_config}
+        """The platform's Inductor options, with the user's on top. (A graph holding a
+        gloo collective is compiled without the C++ wrapper: compile_with_inductor.)"""
+        return {**self.default_inductor_options, **config.inductor_compile_config}
 
     def make_graph(
         self,

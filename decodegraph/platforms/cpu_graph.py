@@ -56,6 +56,11 @@ def compile_with_inductor(
         node.meta.pop("tensor_meta", None)
     constants = _lift_tensor_attributes(gm)
     args = [*inputs, *constants]
+    if options and options.get("cpp_wrapper") and _calls_c10d(gm):
+        # A c10d functional collective takes a process group's name, which Inductor's
+        # C++ wrapper cannot pass yet: the Python wrapper calls such a graph. (The
+        # shared-memory collectives take a tensor and ints, and leave it on.)
+        options = {**options, "cpp_wrapper": False}
     inner: list[Callable[[list], list]] = []
 
     def capture_inner(graph: torch.fx.GraphModule, example_inputs: list, **kw: object) -> object:
@@ -93,6 +98,13 @@ def compile_with_inductor(
                 return lambda *xs: pytree.tree_unflatten(fast([*xs, *constants]), spec)
     logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
     return lambda *xs: wrapped(*xs, *constants)
+
+
+def _calls_c10d(gm: torch.fx.GraphModule) -> bool:
+    return any(
+        n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+        for n in gm.graph.nodes
+    )
 
 
 def _lift_tensor_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:

@@ -30,6 +30,7 @@ def _collectives_on_every_path() -> dict[str, object]:
     rank = ps.get_tensor_model_parallel_rank()
     x = _rank_tensor(rank)
     out: dict[str, object] = {
+        "shm": ps.get_tp_group().shm,
         "rank": rank,
         "world_size": ps.get_tensor_model_parallel_world_size(),
         "all_reduce": ps.tensor_model_parallel_all_reduce(x),
@@ -45,20 +46,28 @@ def _collectives_on_every_path() -> dict[str, object]:
     out["traced_ops"] = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
     other = x + 100  # replay on new values
     out["traced"] = gm(other)
-    # decodegraph's CPU graph path: traced and compiled by Inductor, replayed in place.
+    # decodegraph's CPU graph path: traced and compiled by Inductor, replayed in place;
+    # asked for the platform's C++ wrapper, which cannot call gloo's collectives (the
+    # Python wrapper does then).
     buf = x.clone()
-    graph = CpuGraph("tp", _reduce_then_gather, [buf], use_inductor=True)
+    options = {"cpp_wrapper": True}
+    graph = CpuGraph("tp", _reduce_then_gather, [buf], use_inductor=True, inductor_options=options)
     buf.copy_(other)
     out["inductor"] = [t.clone() for t in graph.replay()]
     out["eager_of_other"] = _reduce_then_gather(other)
     return out
 
 
-def test_collectives_are_correct_eager_traced_and_inductor_compiled() -> None:
+def test_collectives_are_correct_eager_traced_and_inductor_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # gloo's functional collectives: the shared-memory ones (on by default on one host)
+    # have their own tests (test_shm_all_reduce.py).
+    monkeypatch.setenv("DECODEGRAPH_CPU_SHM_ALLREDUCE", "0")
     results = run_on_ranks(_collectives_on_every_path, 2)
     x0, x1 = _rank_tensor(0), _rank_tensor(1)
     for rank, r in enumerate(results):
-        assert (r["rank"], r["world_size"]) == (rank, 2)
+        assert (r["rank"], r["world_size"], r["shm"]) == (rank, 2, None)
         torch.testing.assert_close(r["all_reduce"], x0 + x1)
         torch.testing.assert_close(r["gather_0"], torch.cat((x0, x1), 0))
         torch.testing.assert_close(r["gather_last"], torch.cat((x0, x1), 1))

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from decodegraph.attention.layer import Attention
 from decodegraph.config import ModelConfig
-from decodegraph.distributed.parallel_state import get_tensor_model_parallel_rank
+from decodegraph.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 from decodegraph.models.loader import (
     _default_dtype,
     get_model,
@@ -93,7 +93,10 @@ def _forward_and_logits(model: torch.nn.Module) -> Any:
 
 @torch.no_grad()
 def _rank_run(paths: dict[str, str], stories: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"rank": get_tensor_model_parallel_rank()}
+    out: dict[str, Any] = {
+        "rank": get_tensor_model_parallel_rank(),
+        "shm": get_tp_group().shm is not None,
+    }
     for name, path in paths.items():
         model, reads = _load_counting_reads(Path(path))
         attn = next(m for m in model.modules() if isinstance(m, Attention))
@@ -213,10 +216,17 @@ def test_a_tp_forward_traces_with_one_all_reduce_per_block_and_replays(
     layers = CHECKPOINTS[TRACED][2].get("num_hidden_layers", 2)
     for r in ranks:
         ops = r["traced_ops"]
-        # The embedding's, then o_proj's and down_proj's in each layer.
-        assert ops.count("_c10d_functional.all_reduce.default") == 1 + 2 * layers
-        assert ops.count("_c10d_functional.all_gather_into_tensor.default") == 1  # logits
-        assert ops.count("_c10d_functional.wait_tensor.default") == 2 + 2 * layers
+        # The embedding's, then o_proj's and down_proj's in each layer; the logits' gather.
+        # Through shared memory where the ranks share a host (here, unless the CPU
+        # operators are not built), else gloo's functional collectives.
+        if r["shm"]:
+            assert ops.count("decodegraph_cpu.shm_all_reduce.default") == 1 + 2 * layers
+            assert ops.count("decodegraph_cpu.shm_all_gather.default") == 1
+            assert not any("c10d" in op for op in ops)
+        else:
+            assert ops.count("_c10d_functional.all_reduce.default") == 1 + 2 * layers
+            assert ops.count("_c10d_functional.all_gather_into_tensor.default") == 1
+            assert ops.count("_c10d_functional.wait_tensor.default") == 2 + 2 * layers
         replayed, eager = r["traced_replay"]
         torch.testing.assert_close(replayed, eager)
 

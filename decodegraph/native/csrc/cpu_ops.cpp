@@ -17,6 +17,12 @@
 // here). rotary_embedding: the neox rotation with a row's cos and signed sin given (vLLM's
 // takes positions and the whole table, in place). Rows are independent: large inputs
 // split their rows over the intra-op threads like aten's pointwise ops.
+//
+// shm_all_reduce, shm_all_gather: the tensor-parallel collectives between the ranks of
+// one host, through a shared-memory segment (csrc/shm_all_reduce.h) named by an integer
+// handle, so that a compiled graph (Inductor's C++ wrapper included) calls them with
+// tensors and ints only. The shm_segment_* operators set a segment up and tear it down
+// (eager only).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,6 +36,7 @@
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "rotary_embedding.h"
+#include "shm_all_reduce.h"
 
 namespace {
 
@@ -279,6 +286,14 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
           "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace, "
           "int sliding_window, float logits_soft_cap, Tensor(a!) out) -> ()");
+    m.def("shm_all_reduce(Tensor x, int handle) -> Tensor");
+    m.def("shm_all_gather(Tensor x, int handle, int world_size) -> Tensor");
+    m.def("shm_segment_open(str name, int rank, int world_size, int slot_bytes, "
+          "float timeout_s) -> int",
+          &decodegraph::shm_segment_open);
+    m.def("shm_segment_unlink(str name) -> ()", &decodegraph::shm_segment_unlink);
+    m.def("shm_segment_close(int handle) -> ()", &decodegraph::shm_segment_close);
+    m.def("shm_segment_slot_bytes(int handle) -> int", &decodegraph::shm_segment_slot_bytes);
 }
 
 TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
@@ -289,4 +304,6 @@ TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("shm_all_reduce", &decodegraph::shm_all_reduce);
+    m.impl("shm_all_gather", &decodegraph::shm_all_gather);
 }
