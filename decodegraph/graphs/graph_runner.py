@@ -76,6 +76,7 @@ class GraphRunner:
         attn_groups: dict[str, AttentionBackend],
         eager_context: ForwardContext,
         rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         sc = config.scheduler_config
         self.config = config
@@ -87,8 +88,9 @@ class GraphRunner:
         # The context steps run in (each layer's backend); captures bake a params id in.
         self._eager_context = eager_context
         self.max_num_reqs: int = sc.max_num_seqs
-        # This rank's tensor-parallel rank, for errors.
+        # This rank's tensor-parallel rank (for errors) and the group's size.
         self.rank = rank
+        self.world_size = world_size
         self.max_num_tokens: int = sc.max_num_batched_tokens
         self.mode = CUDAGraphMode.NONE
         # Why the mode differs from the requested one (one line per downgrade).
@@ -268,6 +270,10 @@ class GraphRunner:
         With the driver's `plan` this rank's own decision must be the same: a rank whose
         graphs differ (other capture sizes, another mode) refuses the step rather than
         run eager while the others replay, or replay another size."""
+        if plan is not None and self.world_size == 1:
+            # The driver's dispatcher was built from this very rank's graphs.
+            self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
+            return plan
         own = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
         if plan is not None and own != plan:
             raise StepPlanError(

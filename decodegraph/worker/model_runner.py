@@ -139,6 +139,7 @@ class ModelRunner:
             groups.backends,
             self._eager_context,
             self.tp_group.rank,
+            self.tp_group.world_size,
         )
 
     @property
