@@ -25,6 +25,7 @@ the loader does), never replaced.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from decodegraph.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from decodegraph.native import cpu_ops_for
 
 
 def read_weight(loaded_weight: Any) -> torch.Tensor:
@@ -84,6 +86,22 @@ def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
     return rank, size
 
 
+# Weights smaller than this keep mm: a compiled graph inlines a small one-row product
+# into its own loops, cheaper than an operator call (docs/performance.md).
+_ONE_ROW_MIN_NUMEL = 1 << 16
+
+
+def one_row_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """`f(x [1, k], weight [n, k], bias | None) -> [1, n]`, the CPU operators' batch-1
+    projection, where it applies to `weight` (float32 on CPU, operators built, at least
+    _ONE_ROW_MIN_NUMEL values): it spreads the weight reads over the intra-op threads,
+    where BLAS keeps one row on one thread (docs/performance.md). None elsewhere: mm."""
+    if weight.numel() < _ONE_ROW_MIN_NUMEL:
+        return None
+    ops = cpu_ops_for(weight)
+    return None if ops is None else ops.linear_one_row
+
+
 class ReplicatedLinear(nn.Module):
     """`y = x W^T (+ b)` with an uninitialised weight of shape [output_size, input_size]."""
 
@@ -96,14 +114,19 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         # weight.t(), a view set once the weights are loaded (None before).
         self.weight_t: torch.Tensor | None = None
+        # The batch-1 projection (one_row_linear), set once the weights are loaded.
+        self.one_row: Callable[..., torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         self.weight_t = self.weight.t()
+        self.one_row = one_row_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight_t = self.weight_t
         if weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
+        if self.one_row is not None and x.shape[0] == 1:
+            return self.one_row(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, weight_t)
         return torch.addmm(self.bias, x, weight_t)
@@ -198,6 +221,8 @@ class RowParallelLinear(ReplicatedLinear):
         weight_t = self.weight_t
         if weight_t is None or x.dim() != 2:
             partial = F.linear(x, self.weight)
+        elif self.one_row is not None and x.shape[0] == 1:
+            partial = self.one_row(x, self.weight, None)
         else:
             partial = torch.mm(x, weight_t)
         if self.reduce_results:

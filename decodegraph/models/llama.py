@@ -29,6 +29,7 @@ from decodegraph.layers.linear import (
     RowParallelLinear,
     attention_heads_per_rank,
     divide,
+    one_row_linear,
 )
 from decodegraph.layers.rotary_embedding import apply_rotary_emb, get_rope, get_rope_parameters
 from decodegraph.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -219,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(
             getattr(hf_config, "tie_word_embeddings", self.tie_word_embeddings_default)
         )
+        # The batch-1 LM head projection (one_row_linear), set once the weights are loaded.
+        self.logits_one_row = None
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -234,9 +237,17 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for flattened token ids [T] at `positions` [T]."""
         return self.model(input_ids, positions)
 
+    def process_weights_after_loading(self) -> None:
+        # The LM head is the largest matrix a decode step reads (the embedding's, when tied).
+        self.logits_one_row = one_row_linear(self.lm_head.weight)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden states [N, hidden]."""
-        logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
+        one_row = self.logits_one_row
+        if one_row is not None and hidden_states.dim() == 2 and hidden_states.shape[0] == 1:
+            logits = one_row(hidden_states, self.lm_head.weight, None)
+        else:
+            logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
         if self.lm_head.tp_size > 1:  # this rank's vocabulary slice: gather the others'
             logits = self.lm_head.gather_logits(logits)
         return logits.float()

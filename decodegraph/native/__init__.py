@@ -167,6 +167,10 @@ def _register_fakes() -> None:
     def _(x):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
+    @torch.library.register_fake("decodegraph_cpu::linear_one_row")
+    def _(x, weight, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((1, weight.shape[0]))
+
     @torch.library.register_fake("decodegraph_cpu::shm_all_reduce")
     def _(x, handle):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape)

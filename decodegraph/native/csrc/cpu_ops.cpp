@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "linear.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "rotary_embedding.h"
@@ -261,6 +262,34 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     return out;
 }
 
+// Output rows per thread at least: 64 KiB of float32 weights at a hidden size of 1024.
+constexpr int64_t kLinearGrainValues = 16384;
+
+at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                    x.dim() == 2 && x.size(0) == 1 && x.stride(1) == 1 && weight.dim() == 2 &&
+                    weight.stride(1) == 1 && weight.size(1) == x.size(1),
+                "linear_one_row: float32 x [1, k] and a row-major weight [n, k]");
+    const int64_t n = weight.size(0), k = weight.size(1), ws = weight.stride(0);
+    TORCH_CHECK(ws == k, "linear_one_row: the weight's rows must be contiguous");
+    const float* b = nullptr;
+    if (bias.has_value()) {
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                        bias->numel() == n,
+                    "linear_one_row: a contiguous float32 bias [n]");
+        b = bias->data_ptr<float>();
+    }
+    auto out = x.new_empty({1, n});
+    float* y = out.data_ptr<float>();
+    const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+        linear_one_row_f32(y, xp, w, b, begin, end, k);
+    });
+    return out;
+}
+
 std::string vector_isa_op() { return vector_isa(); }
 
 }  // namespace
@@ -273,6 +302,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
           "(Tensor, Tensor)");
     m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor");
     m.def("silu_and_mul(Tensor x) -> Tensor");
+    m.def("linear_one_row(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
           "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
@@ -304,6 +334,7 @@ TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("linear_one_row", &linear_one_row);
     m.impl("shm_all_reduce", &decodegraph::shm_all_reduce);
     m.impl("shm_all_gather", &decodegraph::shm_all_gather);
 }
