@@ -122,14 +122,19 @@ class ReplicatedLinear(nn.Module):
         self.one_row = one_row_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T (+ bias)` by the cheapest call: one mm or addmm on the weight's
+        transposed view, the batch-1 operator for one row, F.linear before loading."""
         weight_t = self.weight_t
         if weight_t is None or x.dim() != 2:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         if self.one_row is not None and x.shape[0] == 1:
-            return self.one_row(x, self.weight, self.bias)
-        if self.bias is None:
+            return self.one_row(x, self.weight, bias)
+        if bias is None:
             return torch.mm(x, weight_t)
-        return torch.addmm(self.bias, x, weight_t)
+        return torch.addmm(bias, x, weight_t)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -169,7 +174,7 @@ class ColumnParallelLinear(ReplicatedLinear):
         default_weight_loader(param, loaded_weight.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ReplicatedLinear.forward(self, x)
+        out = self.product(x, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -217,14 +222,8 @@ class RowParallelLinear(ReplicatedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return ReplicatedLinear.forward(self, x)
-        weight_t = self.weight_t
-        if weight_t is None or x.dim() != 2:
-            partial = F.linear(x, self.weight)
-        elif self.one_row is not None and x.shape[0] == 1:
-            partial = self.one_row(x, self.weight, None)
-        else:
-            partial = torch.mm(x, weight_t)
+            return self.product(x, self.bias)
+        partial = self.product(x, None)  # the bias is added once, after the sum
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(partial)
         elif self.tp_rank == 0:

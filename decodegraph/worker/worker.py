@@ -145,7 +145,7 @@ class Worker:
             available = self.platform.available_kv_cache_memory(
                 cc.gpu_memory_utilization,
                 self.platform.memory_allocated(),
-                self._local_world_size(),
+                self.config.parallel_config.local_world_size,
             )
             available -= runner.workspace_bytes()
             if not self.config.enforce_eager:
@@ -156,11 +156,6 @@ class Worker:
             available,
             runner.max_blocks_per_seq,
         )
-
-    def _local_world_size(self) -> int:
-        """Ranks on this node: they share its host memory."""
-        pc = self.config.parallel_config
-        return pc.tensor_parallel_size // pc.nnodes
 
     def initialize_kv_cache(self, num_blocks: list[int]) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -35,7 +35,7 @@ from tests.conftest import STORIES_GREEDY_TEXT
 from tests.utils.checkpoints import VOCAB_SIZE, make_checkpoint
 from tests.utils.processes import free_port_pair, gone
 from tests.utils.requests import greedy
-from tests.utils.server import make_engine, start_server
+from tests.utils.server import make_engine, start_server, wait_for_health
 
 # One checkpoint per architecture (and Llama with one KV head: two ranks replicate it).
 ARCHS = ["llama-gqa", "llama-mqa", "mistral-window", "qwen2-window", "qwen3", "gemma2", "gemma3"]
@@ -307,10 +307,7 @@ def test_the_server_answers_unhealthy_once_a_worker_died_and_refuses_requests(
     try:
         assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
         os.kill(engine.engine_core.ranks[0].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 90
-        while httpx.get(f"{server.base_url}/health", timeout=10).status_code != 503:
-            assert time.monotonic() < deadline, "/health still 200 after a worker died"
-            time.sleep(0.2)
+        wait_for_health(server.base_url, 503, 90, "/health still 200 after a worker died")
         reply = httpx.post(
             f"{server.base_url}/v1/completions",
             json={"model": server.model_name, "prompt": "Once", "max_tokens": 4},

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import uvicorn
 
@@ -84,6 +85,14 @@ class RunningServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.async_llm.shutdown()
+
+
+def wait_for_health(base_url: str, status: int, within_s: float, why: str) -> None:
+    """Poll /health until it answers `status`; fail with `why` after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while httpx.get(f"{base_url}/health", timeout=10).status_code != status:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.1)
 
 
 def start_server(engine: Any, **args: Any) -> RunningServer:

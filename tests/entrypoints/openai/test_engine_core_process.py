@@ -49,7 +49,13 @@ from tests.entrypoints.openai.test_load import (  # noqa: F401
     test_clients_that_disconnect_mid_stream_free_their_blocks,
 )
 from tests.utils.processes import free_port_pair, gone
-from tests.utils.server import CHAT_TEMPLATE, RunningServer, make_engine, start_server
+from tests.utils.server import (
+    CHAT_TEMPLATE,
+    RunningServer,
+    make_engine,
+    start_server,
+    wait_for_health,
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +119,7 @@ def test_a_dead_core_fails_requests_in_flight_and_health_is_503(stories_dir: Pat
         reader.join(timeout=60)
         assert not reader.is_alive(), "the request in flight hangs after the core died"
         assert failed, "the stream ended as if nothing happened"
-        deadline = time.monotonic() + 10
-        while httpx.get(f"{running.base_url}/health", timeout=10).status_code != 503:
-            assert time.monotonic() < deadline, "/health still 200 after the core died"
-            time.sleep(0.1)
+        wait_for_health(running.base_url, 503, 10, "/health still 200 after the core died")
         reply = httpx.post(
             f"{running.base_url}/v1/completions",
             json={"model": running.model_name, "prompt": "Once", "max_tokens": 4},
