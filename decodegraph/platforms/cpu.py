@@ -27,6 +27,28 @@ _CPU_KV_CACHE_MAX_BYTES = 4 << 30
 _CPU_PROFILE_TOKENS = 16
 
 
+def _inductor_isa_probe_redundant() -> bool:
+    """Whether Inductor's vector-ISA probe can only confirm what this process knows.
+
+    Before its first CPU graph, Inductor compiles and loads a test library for each vector
+    ISA the CPU reports (a compiler run and a child Python each, in every process). Our
+    operators were built by the same compiler for this machine's widest ISA, over the same
+    ATen vector headers (decodegraph/native), so for AVX-512, AVX2 and NEON the probe
+    cannot fail where that build did not. AMX and SVE, which our build does not use, and
+    a build narrowed by DECODEGRAPH_CPU_ISA keep the probe, as does
+    `inductor_compile_config={"cpp.vec_isa_ok": None}`.
+    """
+    isa = native.cpu_isa()
+    if isa == "avx512":
+        return not torch.cpu._is_amx_tile_supported()
+    if isa == "avx2":
+        return not torch.cpu._is_avx512_supported()
+    if isa == "neon":
+        caps = torch.cpu.get_capabilities()
+        return not (caps.get("sve") or caps.get("sve2"))
+    return False
+
+
 class CpuPlatform(Platform):
     name: ClassVar[str] = "cpu"
     device_type: ClassVar[str] = "cpu"
@@ -87,7 +109,10 @@ class CpuPlatform(Platform):
     def inductor_options(self, config: CompilationConfig) -> dict[str, object]:
         """The platform's Inductor options, with the user's on top. (A graph holding a
         gloo collective is compiled without the C++ wrapper: compile_with_inductor.)"""
-        return {**self.default_inductor_options, **config.inductor_compile_config}
+        options = dict(self.default_inductor_options)
+        if _inductor_isa_probe_redundant():
+            options["cpp.vec_isa_ok"] = True
+        return {**options, **config.inductor_compile_config}
 
     def make_graph(
         self,

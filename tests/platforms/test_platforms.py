@@ -6,6 +6,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging
+import os
+import subprocess
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
@@ -314,3 +317,55 @@ def test_cpu_kv_caches_are_not_written_at_start_up_and_outlive_their_mapping_nam
     cache[-1].fill_(1.5)
     assert cache[-1].eq(1.5).all() and not cache[0].any()
     assert cache.is_contiguous()
+
+
+_PICKED_ISA = """
+import json, sys
+import torch._inductor.config as config
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+config.cpp.vec_isa_ok = json.loads(sys.argv[1])
+print(str(pick_vec_isa()))
+"""
+
+
+def test_cpu_graphs_skip_inductors_isa_probe_only_where_it_picks_the_same_isa(
+    tmp_path: Path,
+) -> None:
+    """Where our operators' build stands for Inductor's vector-ISA probe, the platform
+    turns the probe off; Inductor must then pick the ISA the probe would have picked."""
+    from decodegraph import native
+
+    options = CpuPlatform().inductor_options(CompilationConfig())
+    if native.cpu_isa() not in ("avx512", "avx2", "neon"):
+        assert "cpp.vec_isa_ok" not in options
+        pytest.skip(f"our operators are built for {native.cpu_isa()}: the probe stays on")
+    if "cpp.vec_isa_ok" not in options:
+        pytest.skip("this CPU has AMX or SVE, which the probe still checks")
+    assert options["cpp.vec_isa_ok"] is True
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    picked = [
+        subprocess.run(
+            [sys.executable, "-c", _PICKED_ISA, arg], env=env, capture_output=True, text=True
+        ).stdout.strip()
+        for arg in ("null", "true")
+    ]
+    assert picked[0] and picked[0] == picked[1]
+
+
+def test_the_isa_probe_stays_for_a_narrowed_build_and_at_the_users_word(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from decodegraph import native
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    monkeypatch.setattr(native, "cpu_isa", lambda: "avx2")  # DECODEGRAPH_CPU_ISA=avx2
+    assert "cpp.vec_isa_ok" not in CpuPlatform().inductor_options(CompilationConfig())
+    monkeypatch.setattr(native, "cpu_isa", lambda: "scalar")
+    assert "cpp.vec_isa_ok" not in CpuPlatform().inductor_options(CompilationConfig())
+    monkeypatch.setattr(native, "cpu_isa", lambda: "avx512")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert CpuPlatform().inductor_options(CompilationConfig())["cpp.vec_isa_ok"] is True
+    user = CompilationConfig(inductor_compile_config={"cpp.vec_isa_ok": None})
+    assert CpuPlatform().inductor_options(user)["cpp.vec_isa_ok"] is None
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert "cpp.vec_isa_ok" not in CpuPlatform().inductor_options(CompilationConfig())
