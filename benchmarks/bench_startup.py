@@ -5,7 +5,8 @@ cold run has an empty Inductor cache directory (TORCHINDUCTOR_CACHE_DIR, a new t
 directory per round), a warm run the directory its cold run filled. The phases are the
 engine's own ("Engine ready in ... (load, profile, KV cache, capture)" in its start-up
 log line); "import" is importing decodegraph, "engine" building the engine (the phases,
-the tokenizer and the rest), "first token" the generate call after start-up. Rounds alternate cold and warm; the table shows medians.
+the tokenizer and the rest), "first token" the generate call after start-up. Rounds alternate cold
+and warm; the table shows medians.
 
     .venv/bin/python benchmarks/bench_startup.py                     # stories260K, demo
     .venv/bin/python benchmarks/bench_startup.py --cases qwen2.5-0.5b-shape --rounds 1
@@ -15,6 +16,14 @@ Cases: `stories260K` (the bundled model, default graph mode, LLM class defaults)
 command, and when its first token came is not separable, so phases are the engine's),
 `qwen2.5-0.5b-shape` (Qwen2.5-0.5B's config, fp32, random weights: load_format dummy).
 Results go to benchmarks/results/bench_startup.json.
+
+`--tree NAME=DIR` (repeatable) also starts from another source tree, e.g. an exported
+copy of the commit before a change, in the same rounds. Each tree builds its CPU
+operators once before the rounds, under an XDG_CACHE_HOME of its own: that build
+directory is keyed by source, flags and CPU but not by checkout, so trees sharing one
+would rebuild each other's operators in the timed runs. "cpu" is the CPU seconds of the
+run and of the compilers it started, which a shared machine's load moves less than the
+wall time.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import os
 import platform
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -89,14 +99,22 @@ def _case_command(case: str, model_dir: Path | None) -> list[str]:
     return [python, "-c", _CHILD, json.dumps(kwargs)]
 
 
-def _run(command: list[str], cache_dir: str) -> dict[str, float]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
+def _run(command: list[str], cache_dir: str, tree: Path, xdg: Path) -> dict[str, float]:
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "PYTHONPATH": str(tree),
+        "XDG_CACHE_HOME": str(xdg),
+    }
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    cpu_before = _children_cpu()
+    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"{command[:4]} failed:\n{proc.stderr[-3000:]}")
-    out: dict[str, float] = {"total": wall}
+    # CPU seconds of the process and the compilers it ran: on a shared machine they
+    # move less with other sessions' load than the wall time does.
+    out: dict[str, float] = {"total": wall, "cpu": _children_cpu() - cpu_before}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             out.update(json.loads(line[len("RESULT ") :]))
@@ -106,6 +124,19 @@ def _run(command: list[str], cache_dir: str) -> dict[str, float]:
             name, seconds, _ = part.rsplit(" ", 2)
             out[name] = float(seconds)
     return out
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _build_native(tree: Path, xdg: Path) -> None:
+    """Build a tree's CPU operators once, outside the timed runs (each tree has its own
+    build directory: see XDG_CACHE_HOME in the module docstring)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "XDG_CACHE_HOME": str(xdg)}
+    code = "from decodegraph import native; native.load_cpu_ops()"
+    subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
 
 
 def _cpu() -> dict[str, str]:
@@ -133,35 +164,58 @@ def main() -> int:
         choices=["stories260K", "demo", "qwen2.5-0.5b-shape"],
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also start from another source tree (e.g. the commit before a change), "
+        "interleaved with this one in every round",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
 
+    trees = {"current": REPO}
+    for spec in args.tree:
+        name, _, path = spec.partition("=")
+        trees[name] = Path(path).resolve()
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp:
         model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(QWEN2_5_0_5B))
+        xdg = {name: Path(tmp) / f"xdg_{name}" for name in trees}
+        for name, tree in trees.items():
+            _build_native(tree, xdg[name])
         for r in range(args.rounds):
             for case in args.cases:
-                cache = tempfile.mkdtemp(prefix=f"inductor_{r}_", dir=tmp)
-                runs = results.setdefault(case, {"cold": [], "warm": []})
-                command = _case_command(case, model_dir)
-                for kind in ("cold", "warm"):
-                    runs[kind].append(_run(command, cache))
-                    print(
-                        f"round {r + 1} {case} {kind}: {runs[kind][-1]['total']:.1f} s", flush=True
-                    )
+                for name, tree in trees.items():
+                    cache = tempfile.mkdtemp(prefix=f"inductor_{r}_", dir=tmp)
+                    label = case if len(trees) == 1 else f"{case} [{name}]"
+                    runs = results.setdefault(label, {"cold": [], "warm": []})
+                    command = _case_command(case, model_dir)
+                    for kind in ("cold", "warm"):
+                        runs[kind].append(_run(command, cache, tree, xdg[name]))
+                        row = runs[kind][-1]
+                        print(
+                            f"round {r + 1} {label} {kind}: {row['total']:.1f} s "
+                            f"({row['cpu']:.1f} CPU s)",
+                            flush=True,
+                        )
 
-    columns = ["total", "import", "engine", "load", "profile", "KV cache", "capture", "first token"]
-    print(f"\nmedians of {args.rounds} round(s), seconds")
-    print(f"{'case':<22}{'cache':<7}" + "".join(f"{c:>13}" for c in columns))
+    columns = [
+        "total", "cpu", "import", "engine", "load", "profile", "KV cache", "capture", "first token"
+    ]  # fmt: skip
+    print(f"\nmedians of {args.rounds} round(s), seconds (cpu: CPU seconds, compilers included)")
+    width = max(22, *(len(label) + 2 for label in results))
+    print(f"{'case':<{width}}{'cache':<7}" + "".join(f"{c:>12}" for c in columns))
     summary: dict[str, dict[str, dict[str, float]]] = {}
     for case, runs in results.items():
         for kind, rows in runs.items():
             med = {c: statistics.median(row[c] for row in rows) for c in columns if c in rows[0]}
             summary.setdefault(case, {})[kind] = med
-            cells = "".join(f"{med[c]:>13.1f}" if c in med else f"{'-':>13}" for c in columns)
-            print(f"{case:<22}{kind:<7}{cells}")
+            cells = "".join(f"{med[c]:>12.1f}" if c in med else f"{'-':>12}" for c in columns)
+            print(f"{case:<{width}}{kind:<7}{cells}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
         json.dumps(
