@@ -349,6 +349,8 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    # Once, in the first chunk after the role's (vLLM refuses prompt_logprobs with stream).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # --- /v1/models --------------------------------------------------------------------------

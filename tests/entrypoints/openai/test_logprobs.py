@@ -363,3 +363,39 @@ def test_minus_one_returns_every_token_with_max_logprobs_minus_one(
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == vocab for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+
+
+def test_streamed_prompt_logprobs_come_once_in_the_first_chunk_with_output(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM refuses prompt_logprobs with stream=True (a 400); here a stream carries
+    them once, as the plain answer has them: chat's at the top of the first chunk after
+    the role, completions' on each choice's first chunk."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0.0}
+    plain = client.chat.completions.create(**chat, extra_body={"prompt_logprobs": 2})
+    chunks = list(
+        client.chat.completions.create(**chat, stream=True, extra_body={"prompt_logprobs": 2})
+    )
+    carrying = [k for k, c in enumerate(chunks) if c.model_extra.get("prompt_logprobs")]
+    assert carrying == [1], carrying  # chunk 0 is the role's, sent before any output
+    assert chunks[1].model_extra["prompt_logprobs"] == plain.model_extra["prompt_logprobs"]
+    assert chunks[1].choices[0].delta.content  # with the first token's text
+    without = client.chat.completions.create(**chat, stream=True)
+    assert all(c.model_extra.get("prompt_logprobs") is None for c in without)
+
+    kwargs = {"model": MODEL_NAME, "prompt": [PROMPT, "The cat"], "max_tokens": 3, "n": 2}
+    whole = client.completions.create(**kwargs, temperature=0.0, extra_body={"prompt_logprobs": 1})
+    first: dict[int, object] = {}
+    for chunk in client.completions.create(
+        **kwargs, temperature=0.0, stream=True, extra_body={"prompt_logprobs": 1}
+    ):
+        for choice in chunk.choices:
+            pl = choice.model_extra.get("prompt_logprobs")
+            if choice.index in first:
+                assert pl is None, "sent once per choice"
+            else:
+                first[choice.index] = pl
+    assert sorted(first) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        assert first[choice.index] == choice.model_extra["prompt_logprobs"]
