@@ -63,6 +63,9 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
+    # Most logprobs (`logprobs`, `prompt_logprobs`) a request may ask for; -1: no cap
+    # (the vocabulary). vLLM's name and default.
+    max_logprobs: int = 20
     # Resolved by EngineArgs.create_engine_config: the local directory (None for a
     # preset) and the Hugging Face config read from it.
     model_path: Any = None
@@ -78,6 +81,12 @@ class ModelConfig:
         _positive("max_model_len", self.max_model_len, allow_none=True)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
+            raise ValueError(f"max_logprobs: must be an integer, got {self.max_logprobs!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs: must be >= 0, or -1 for no cap, got {self.max_logprobs}"
+            )
         if self.served_model_name is None:
             self.served_model_name = self.model
 

@@ -16,8 +16,8 @@ __all__ = ["RequestOutputKind", "SamplingParams", "SamplingType", "StructuredOut
 
 # Below this temperature sampling is greedy (vLLM's `_SAMPLING_EPS`).
 _SAMPLING_EPS = 1e-5
-# Most top logprobs a request may ask for (vLLM's default `max_logprobs`).
-MAX_LOGPROBS = 20
+# `logprobs` / `prompt_logprobs` of this value ask for every token of the vocabulary.
+ALL_LOGPROBS = -1
 
 
 class RequestOutputKind(enum.Enum):
@@ -76,11 +76,12 @@ class SamplingParams:
     # None: up to the context limit (the engine fills in the number).
     max_tokens: int | None = 16
     min_tokens: int = 0
-    # Top logprobs per generated token; 0 returns only the sampled token's.
+    # Top logprobs per generated token; 0 returns only the sampled token's, -1 every
+    # token's. The engine refuses more than its max_logprobs (ModelConfig).
     logprobs: int | None = None
     # Top logprobs per prompt token (the first has none); 0 returns only the prompt
-    # token's. A request that asks for them does not read the prefix cache: every
-    # prompt position is computed (docs/design.md, "Prompt logprobs").
+    # token's, -1 every token's. A request that asks for them does not read the prefix
+    # cache: every prompt position is computed (docs/design.md, "Prompt logprobs").
     prompt_logprobs: int | None = None
     # Token id -> value added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
@@ -158,16 +159,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens: must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs)
-            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if value < ALL_LOGPROBS:
+                    raise ValueError(f"{name}: must be >= 0, or -1 for every token, got {value}")
         if self.logit_bias is not None:
             self._verify_logit_bias()
         for name in (

@@ -46,8 +46,9 @@ def test_stop_string_is_normalised_to_a_list() -> None:
         ("stop_token_ids", 3),
         ("max_tokens", 0),
         ("min_tokens", -1),
-        ("logprobs", -1),
-        ("logprobs", 21),
+        ("logprobs", -2),
+        ("logprobs", 1.5),
+        ("prompt_logprobs", -2),
         ("ignore_eos", "yes"),
         ("output_kind", "delta"),
     ],
@@ -67,6 +68,10 @@ def test_edge_values_are_accepted() -> None:
     p = SamplingParams(top_k=-1, top_p=1.0, min_p=1.0, logprobs=20, presence_penalty=-2.0)
     assert not p.top_k_enabled
     assert SamplingParams(top_k=0, logprobs=0).logprobs == 0
+    # -1 is the whole vocabulary; how many a request may ask for is the engine's
+    # max_logprobs, checked when the request arrives.
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).prompt_logprobs == -1
+    assert SamplingParams(logprobs=1000).logprobs == 1000
 
 
 def test_tiny_temperature_is_greedy() -> None:

@@ -57,6 +57,7 @@ class EngineArgs:
     load_format: str = "auto"
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -99,6 +100,13 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
         g.add_argument("--skip-tokenizer-init", action="store_true")
+        g.add_argument(
+            "--max-logprobs",
+            type=int,
+            default=20,
+            help="most logprobs and prompt_logprobs a request may ask for; -1: no cap, "
+            "so that -1 (every token of the vocabulary) is allowed",
+        )
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -184,6 +192,7 @@ class EngineArgs:
             load_format=self.load_format,
             served_model_name=self.served_model_name,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            max_logprobs=self.max_logprobs,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

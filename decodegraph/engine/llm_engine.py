@@ -34,7 +34,7 @@ from decodegraph.engine.output_processor import OutputProcessor
 from decodegraph.outputs import RequestOutput
 from decodegraph.platforms import get_platform
 from decodegraph.request import RequestStatus
-from decodegraph.sampling_params import SamplingParams
+from decodegraph.sampling_params import ALL_LOGPROBS, SamplingParams
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.tokenizer import get_tokenizer
 from decodegraph.worker.model_runner import ModelRunner
@@ -155,6 +155,7 @@ class LLMEngine:
                 f"prompt: {len(ids)} tokens leave no room to generate within "
                 f"max_model_len={max_len}"
             )
+        self._check_logprobs(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         child_ids = (
             [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
@@ -167,17 +168,37 @@ class LLMEngine:
                 extra_eos = [
                     t for t in self.extra_eos_token_ids if t not in child_params.stop_token_ids
                 ]
-            if child_params.max_tokens is None or extra_eos:
+            counts = [_logprob_count(getattr(child_params, n), vocab) for n in _LOGPROB_FIELDS]
+            own = [getattr(child_params, n) for n in _LOGPROB_FIELDS]
+            if child_params.max_tokens is None or extra_eos or counts != own:
                 child_params = child_params.clone()  # never change the caller's object
                 if child_params.max_tokens is None:
                     child_params.max_tokens = max_len - len(ids)
                 child_params.stop_token_ids += extra_eos
+                # The core sees counts it can take the top of: -1 is the vocabulary.
+                child_params.logprobs, child_params.prompt_logprobs = counts
             children.append(
                 EngineCoreRequest(child_id, ids, child_params, self.eos_token_id, arrival)
             )
         self.output_processor.add_request(request_id, text, ids, params, child_ids, arrival)
         for child in children:
             self.engine_core.add_request(child)
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """At most max_logprobs logprobs per token (-1, every token, counts as the
+        vocabulary), as vLLM's processor checks them."""
+        limit = self.model_config.max_logprobs
+        cap = self.vocab_size if limit == ALL_LOGPROBS else limit
+        for name in _LOGPROB_FIELDS:
+            value = getattr(params, name)
+            if value is None:
+                continue
+            wanted = self.vocab_size if value == ALL_LOGPROBS else value
+            if wanted > cap:
+                raise ValueError(
+                    f"{name}: {value} asks for {wanted} logprobs per token, more than "
+                    f"max_logprobs={limit} allows (--max-logprobs; -1 lifts the cap)"
+                )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort parent requests (their children too); unknown ids are ignored."""
@@ -254,6 +275,17 @@ class LLMEngine:
             tokenize=False,
             tools=tools,
         )
+
+
+_LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
+
+
+def _logprob_count(value: int | None, vocab_size: int) -> int | None:
+    """How many top logprobs the core computes for a request's `value`: -1 and anything
+    past the vocabulary are the whole vocabulary."""
+    if value is None:
+        return None
+    return vocab_size if value == ALL_LOGPROBS else min(value, vocab_size)
 
 
 def eos_token_ids(model_config: Any, tokenizer: Any | None) -> tuple[int | None, list[int]]:

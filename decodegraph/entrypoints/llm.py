@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,16 @@ from decodegraph.outputs import RequestOutput
 from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
+# "1": LLM runs its engine core in a process of its own unless told otherwise (vLLM's
+# VLLM_ENABLE_V1_MULTIPROCESSING; here off by default, as serve's --engine-core-process).
+ENABLE_MULTIPROCESSING_ENV = "DECODEGRAPH_ENABLE_MULTIPROCESSING"
+
+
+def _engine_core_process_default() -> bool:
+    value = os.environ.get(ENABLE_MULTIPROCESSING_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENABLE_MULTIPROCESSING_ENV}: must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:
@@ -28,14 +39,26 @@ def _final_only(params: SamplingParams) -> SamplingParams:
 
 
 class LLM:
-    """An engine for offline batch generation, with vLLM's keywords."""
+    """An engine for offline batch generation, with vLLM's keywords.
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    `engine_core_process=True` (default: DECODEGRAPH_ENABLE_MULTIPROCESSING=1) runs the
+    engine core (scheduler, executor, workers) in a process of its own, as `serve
+    --engine-core-process` does (docs/design.md §8)."""
+
+    def __init__(
+        self, model: str, *, engine_core_process: bool | None = None, **kwargs: Any
+    ) -> None:
         unknown = sorted(set(kwargs) - _ENGINE_ARG_NAMES)
         if unknown:
             raise TypeError(f"LLM() got unknown keyword(s) {unknown}")
+        if engine_core_process is None:
+            engine_core_process = _engine_core_process_default()
+        if not isinstance(engine_core_process, bool):
+            raise ValueError(f"engine_core_process: must be a bool, got {engine_core_process!r}")
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, UsageContext.LLM_CLASS)
+        self.llm_engine = LLMEngine.from_engine_args(
+            self.engine_args, UsageContext.LLM_CLASS, engine_core_process=engine_core_process
+        )
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

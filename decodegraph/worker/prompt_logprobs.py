@@ -64,9 +64,27 @@ def find_rows(
     return PromptLogprobRows(requests, token_rows, targets)
 
 
+# Values moved to Python lists at once: a whole-vocabulary request's rows (k = vocab)
+# go over a few at a time, so the top-k and its float64 copy stay near 8 MiB whatever
+# the vocabulary.
+_VALUES_PER_TRANSFER = 1 << 20
+
+
 def compute(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
     """Per row of `logits` [N, V]: the target token's Logprob (with its rank) and the
-    top-k (ranks 1..k), the target first, as the sampler gives generated tokens'."""
+    top-k (ranks 1..k), the target first, as the sampler gives generated tokens'.
+
+    Cost: a log-softmax, a rank count and a top-k per row, then k + 1 Logprob objects
+    per row in Python; with k = V (prompt_logprobs=-1) that is V objects per prompt
+    position (docs/design.md, "Prompt logprobs")."""
+    step = max(1, _VALUES_PER_TRANSFER // (3 + 2 * k))
+    out = []
+    for start in range(0, logits.shape[0], step):
+        out += _entries(logits[start : start + step], targets[start : start + step], k)
+    return out
+
+
+def _entries(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     target = torch.tensor(targets, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
     target_lp = logprobs.gather(1, target)

@@ -126,3 +126,16 @@ def test_a_bad_parallel_value_names_its_field(stories_dir: Path) -> None:
     args = EngineArgs(model=str(stories_dir), device="cpu", tensor_parallel_size=3, nnodes=2)
     with pytest.raises(ValueError, match="^tensor_parallel_size:"):
         args.create_engine_config()
+
+
+def test_max_logprobs_flag_reaches_the_model_config(stories_dir: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", str(stories_dir), "--max-logprobs", "-1"])
+    assert EngineArgs.from_cli_args(args).create_engine_config().model_config.max_logprobs == -1
+    default = parser.parse_args(["--model", str(stories_dir)])
+    assert EngineArgs.from_cli_args(default).create_engine_config().model_config.max_logprobs == 20
+    with pytest.raises(ValueError, match="^max_logprobs:"):
+        EngineArgs(model=str(stories_dir), max_logprobs=-2).create_engine_config()

@@ -197,7 +197,7 @@ def test_prompt_longer_than_max_model_len_fails_with_clear_error_and_engine_serv
         ("max_tokens", {"max_tokens": 0}),
         ("min_tokens", {"min_tokens": 8, "max_tokens": 4}),
         ("n", {"n": 0}),
-        ("logprobs", {"logprobs": 10_000}),
+        ("logprobs", {"logprobs": -2}),  # a count past max_logprobs: the engine says so
         ("stop", {"stop": [""]}),
         ("seed", {"seed": 1.5}),
     ],
@@ -280,3 +280,36 @@ def test_other_kv_cache_dtypes_are_refused_naming_the_field(
 def test_unknown_llm_keyword_is_a_type_error(stories_dir: Path) -> None:
     with pytest.raises(TypeError, match="max_num_sequences"):
         LLM(str(stories_dir), max_num_sequences=4)
+
+
+def test_engine_core_process_gives_the_same_greedy_ids(
+    llm: LLM, stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLM(engine_core_process=True), or DECODEGRAPH_ENABLE_MULTIPROCESSING=1 (vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING), runs the engine core in a process of its own; the
+    answers are the in-process engine's, stop strings and n included."""
+    kwargs = {"enforce_eager": True, "max_model_len": 256, "max_num_seqs": 16, "seed": 0}
+    params = [GREEDY] * len(PROMPTS) + [
+        SamplingParams(max_tokens=24, temperature=0.0, stop=[" the"]),
+        SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=5),
+    ]
+    prompts = PROMPTS + PROMPTS[:2]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    for env, keyword in (("1", {}), (None, {"engine_core_process": True})):
+        if env is None:
+            monkeypatch.delenv("DECODEGRAPH_ENABLE_MULTIPROCESSING", raising=False)
+        else:
+            monkeypatch.setenv("DECODEGRAPH_ENABLE_MULTIPROCESSING", env)
+        proc = LLM(str(stories_dir), **keyword, **kwargs)
+        try:
+            assert proc.llm_engine.engine_core_process
+            got = proc.generate(prompts, params, use_tqdm=False)
+            assert ids_of(got) == ids_of(want)
+            assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+            assert [c.token_ids for c in got[-1].outputs] == [c.token_ids for c in want[-1].outputs]
+            assert not proc.llm_engine.has_unfinished_requests()
+        finally:
+            proc.llm_engine.shutdown()
+    monkeypatch.setenv("DECODEGRAPH_ENABLE_MULTIPROCESSING", "yes")
+    with pytest.raises(ValueError, match="DECODEGRAPH_ENABLE_MULTIPROCESSING"):
+        LLM(str(stories_dir), **kwargs)

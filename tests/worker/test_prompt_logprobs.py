@@ -188,3 +188,51 @@ def test_prompt_logprobs_survive_preemption(
     assert any(outputs == 0 for _, outputs in preempted), preempted
     _check(llm, PROMPTS[1], outs[0], 1, reference)
     _check(llm, long_prompt, outs[1], 2, reference)
+
+
+def test_minus_one_is_the_whole_vocabulary_of_transformers(
+    engines: Callable[..., LLM], reference: Callable
+) -> None:
+    """vLLM's -1: every token of the vocabulary at every prompt position, each with its
+    rank, and for generated tokens too; allowed by max_logprobs=-1 (no cap)."""
+    llm = engines(max_logprobs=-1)
+    vocab = llm.llm_engine.vocab_size
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=-1, logprobs=-1)
+    out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    ref = reference(ids)
+    for p, entry in enumerate(out.prompt_logprobs[1:], 1):
+        assert len(entry) == vocab
+        got = torch.tensor([entry[t].logprob for t in range(vocab)])
+        torch.testing.assert_close(got, ref[p - 1].float(), atol=1e-4, rtol=0)
+        # The prompt token's rank counts the better ones; every other token's is its
+        # place in the order, so the others' ranks are distinct and follow the logprobs.
+        own = entry[ids[p]]
+        assert own.rank == int((got > own.logprob).sum()) + 1
+        others = sorted((lp.rank, lp.logprob) for t, lp in entry.items() if t != ids[p])
+        assert len({r for r, _ in others}) == vocab - 1 and others[-1][0] <= vocab
+        assert all(a[1] >= b[1] for a, b in zip(others, others[1:], strict=False))
+    texts = "".join(out.prompt_logprobs[p][ids[p]].decoded_token for p in range(1, len(ids)))
+    assert texts == PROMPTS[1]
+    (generated,) = out.outputs
+    assert [len(e) for e in generated.logprobs] == [vocab, vocab]
+    assert all(e[t].rank == 1 for t, e in zip(generated.token_ids, generated.logprobs, strict=True))
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_naming_the_field(
+    engines: Callable[..., LLM],
+) -> None:
+    """The default max_logprobs is vLLM's 20: -1 (the whole vocabulary, 512 here) or 21
+    is refused before anything is queued; a raised limit admits them."""
+    llm = engines()
+    for name, value in (("prompt_logprobs", -1), ("prompt_logprobs", 21), ("logprobs", -1)):
+        with pytest.raises(ValueError, match=rf"^{name}: .*max_logprobs=20"):
+            llm.generate(["Tom"], SamplingParams(max_tokens=1, **{name: value}), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    wide = engines(max_logprobs=30)
+    out = wide.generate(
+        ["Tom had"], SamplingParams(max_tokens=1, prompt_logprobs=25), use_tqdm=False
+    )
+    assert all(len(e) in (25, 26) for e in out[0].prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="^prompt_logprobs: "):
+        wide.generate(["Tom"], SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False)

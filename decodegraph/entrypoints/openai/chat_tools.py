@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from decodegraph.entrypoints.openai.serving_engine import OpenAIError
 from decodegraph.entrypoints.openai.structured_outputs import StructuredOutputSpec
-from decodegraph.entrypoints.openai.tool_parsers import ToolParser
+from decodegraph.entrypoints.openai.tool_parsers import PartialToolCall, ToolParser
 from decodegraph.entrypoints.openai.tool_protocol import (
     ChatCompletionNamedToolChoiceParam,
     DeltaFunctionCall,
@@ -201,9 +201,11 @@ class ToolDelta:
 
 class ToolStream:
     """One streamed choice: turns each new piece of text into content and tool-call
-    deltas. Calls found by a parser (auto) or in a "required" list go out whole, one
-    delta each, as soon as their JSON is complete; a named function's arguments go out
-    as they come."""
+    deltas. A call found by a parser (auto) goes out as vLLM's parsers send it: a first
+    delta with its index, id, type and name once the name is known, then its arguments
+    in fragments that concatenate to the plain answer's arguments (parser
+    `stream_calls`); calls in a "required" list go out whole, one delta each, once their
+    JSON is complete; a named function's arguments go out as they come."""
 
     def __init__(self, tools: ChatTools) -> None:
         self.tools = tools
@@ -212,6 +214,8 @@ class ToolStream:
         self.calls_sent = 0
         self.named_id: str | None = None
         self.called = False
+        # Per auto call streamed so far: its id and the arguments sent.
+        self.streamed: list[tuple[str, str]] = []
 
     def feed(self, delta_text: str, finished: bool) -> ToolDelta:
         self.text += delta_text
@@ -233,12 +237,35 @@ class ToolStream:
             end = len(info.content or "")
         elif finished:
             end = len(self.text)
+        if self.called:
+            end = self.content_sent  # what follows a call is never content
         if end > self.content_sent:
             out.content = self.text[self.content_sent : end]
             self.content_sent = end
-        if info.tools_called:
-            out.tool_calls = self._whole(info.tool_calls)
+        out.tool_calls = self._incremental(parser.stream_calls(self.text, finished))
         return out
+
+    def _incremental(self, calls: list[PartialToolCall]) -> list[DeltaToolCall]:
+        deltas = []
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break
+            if index == len(self.streamed):
+                call_id = random_tool_call_id()
+                function = DeltaFunctionCall(name=call.name, arguments=call.arguments)
+                deltas.append(
+                    DeltaToolCall(index=index, id=call_id, type="function", function=function)
+                )
+                self.streamed.append((call_id, call.arguments))
+                self.called = True
+                continue
+            call_id, sent = self.streamed[index]
+            # A call's arguments so far only ever grow (partial_json.py).
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                fragment = DeltaFunctionCall(arguments=call.arguments[len(sent) :])
+                deltas.append(DeltaToolCall(index=index, function=fragment))
+                self.streamed[index] = (call_id, call.arguments)
+        return deltas
 
     def _named(self, delta_text: str) -> ToolDelta:
         if self.named_id is None:

@@ -20,6 +20,7 @@ from decodegraph.entrypoints.openai.protocol import (
     PromptLogprobs,
 )
 from decodegraph.outputs import Logprob
+from decodegraph.sampling_params import ALL_LOGPROBS
 
 # What OpenAI sends for an impossible token instead of -inf (JSON has no infinity).
 _MIN_LOGPROB = -9999.0
@@ -98,7 +99,8 @@ class LogprobFormatter:
     def chat_content(
         self, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int
     ) -> list[ChatLogprobToken]:
-        """Chat's `logprobs.content` for generated tokens, with `num_top` alternatives."""
+        """Chat's `logprobs.content` for generated tokens, with `num_top` alternatives
+        (-1: all of the entry's, the whole vocabulary for top_logprobs=-1)."""
         content = []
         for token_id, entry in zip(token_ids, entries, strict=False):
             own = entry.get(token_id)
@@ -106,7 +108,9 @@ class LogprobFormatter:
             ranked = sorted(
                 entry.items(),
                 key=lambda kv: (kv[1].rank if kv[1].rank is not None else 0, -kv[1].logprob),
-            )[:num_top]
+            )
+            if num_top != ALL_LOGPROBS:
+                ranked = ranked[:num_top]
             top = []
             for t, lp in ranked:
                 t_text = text if t == token_id else self.token(t, lp)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from decodegraph.entrypoints.openai.structured_outputs import StructuredOutputFields
 from decodegraph.entrypoints.openai.tool_protocol import DeltaToolCall, ToolCall, ToolFields
-from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+from decodegraph.sampling_params import ALL_LOGPROBS, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - 1
 # n sequences share one prompt but each holds KV blocks: keep a fuzzer's n=10**9 out.
 MAX_N = 64
-MAX_LOGPROBS = 20
+# How many logprobs a request may ask for is the engine's max_logprobs (--max-logprobs,
+# default 20), checked when the request arrives; -1 asks for every token (vLLM's).
 
 
 def random_uuid() -> str:
@@ -102,8 +103,9 @@ class _SamplingFields(OpenAIBaseModel):
     user: str | None = None
     # Token id (a JSON key, so a string) -> bias added to its logit, in [-100, 100].
     logit_bias: dict[str, float] | None = None
-    # vLLM's: top logprobs of every prompt token (the response's `prompt_logprobs`).
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's: top logprobs of every prompt token (the response's `prompt_logprobs`);
+    # -1: every token of the vocabulary.
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
     # vLLM's: logprob tokens as "token_id:N" (also the --return-tokens-as-token-ids flag).
     return_tokens_as_token_ids: bool | None = None
 
@@ -158,7 +160,9 @@ class CompletionRequest(_SamplingFields, StructuredOutputFields):
     # OpenAI's default is 16 tokens (vLLM's too); 0 only with echo (the prompt alone).
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # No -1 here (vLLM's completions refuse it); chat's top_logprobs and
+    # prompt_logprobs take it.
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -174,7 +178,11 @@ class CompletionRequest(_SamplingFields, StructuredOutputFields):
         # echo with logprobs returns the prompt's logprobs too (OpenAI's, vLLM's answer).
         prompt_logprobs = None
         if self.echo and self.logprobs is not None:
-            prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
+            prompt_logprobs = (
+                self.prompt_logprobs
+                if self.prompt_logprobs == ALL_LOGPROBS
+                else max(self.logprobs, self.prompt_logprobs or 0)
+            )
         return self._sampling_params(max_tokens, self.logprobs, output_kind, prompt_logprobs)
 
 
@@ -270,7 +278,8 @@ class ChatCompletionRequest(
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # -1: every token of the vocabulary (vLLM's).
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self, output_kind: RequestOutputKind) -> SamplingParams:
@@ -340,6 +349,8 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    # Once, in the first chunk after the role's (vLLM refuses prompt_logprobs with stream).
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # --- /v1/models --------------------------------------------------------------------------

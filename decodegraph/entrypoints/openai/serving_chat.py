@@ -21,6 +21,7 @@ from decodegraph.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    PromptLogprobs,
     UsageInfo,
     random_uuid,
 )
@@ -216,7 +217,11 @@ class OpenAIServingChat(OpenAIServing):
         fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
         every_chunk_usage = continuous_usage(request.stream_options)
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(
+            choices: list[ChatCompletionStreamChoice],
+            usage: UsageInfo | None = None,
+            prompt_logprobs: PromptLogprobs | None = None,
+        ) -> str:
             return sse(
                 ChatCompletionStreamResponse(
                     id=request_id,
@@ -224,6 +229,7 @@ class OpenAIServingChat(OpenAIServing):
                     model=self.model_name,
                     choices=choices,
                     usage=usage,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
 
@@ -239,9 +245,13 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = 0
         completion_tokens = 0
         tool_streams = [tools.stream() for _ in range(request.n)]
+        # The prompt's logprobs come with the first output (a DELTA request's only copy).
+        prompt_logprobs: PromptLogprobs | None = None
         try:
             async for _, out in outputs:
                 prompt_tokens = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     if not c.text and not c.token_ids and c.finish_reason is None:
@@ -272,7 +282,9 @@ class OpenAIServingChat(OpenAIServing):
                         )
                         if every_chunk_usage
                         else None,
+                        prompt_logprobs,
                     )
+                    prompt_logprobs = None
         except EngineDeadError as e:
             yield sse(error_body(str(e), 503))
             yield SSE_DONE

@@ -164,3 +164,51 @@ def test_the_core_process_dies_with_a_killed_server(stories_dir: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tensor_parallel_2_under_a_core_process_answers_as_the_engine_thread(
+    stories_dir: Path,
+) -> None:
+    """`serve --engine-core-process -tp 2` (the mp executor: the core process starts
+    the two ranks): completions and streamed chat through the openai client give the
+    greedy text of the same TP 2 server with its core on the engine thread; the core
+    and its ranks are gone after shutdown."""
+    prompts = ["Lily and Ben went to the park. They saw", "Once upon a time"]
+    messages = [{"role": "user", "content": "Tell me a story"}]
+
+    def answers(running: RunningServer) -> tuple[list[str], str]:
+        client = running.client()
+        out = client.completions.create(
+            model=running.model_name, prompt=prompts, max_tokens=24, temperature=0.0
+        )
+        chunks = client.chat.completions.create(
+            model=running.model_name,
+            messages=messages,
+            max_tokens=16,
+            temperature=0.0,
+            stream=True,
+        )
+        chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)], chat
+
+    results = []
+    for core_process in (False, True):
+        engine = make_engine(
+            stories_dir,
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            max_model_len=128,
+            engine_core_process=core_process,
+        )
+        running = start_server(engine, chat_template=CHAT_TEMPLATE)
+        try:
+            if core_process:
+                core = psutil.Process(engine.engine_core.pid)
+                ranks = [p.pid for p in core.children(recursive=True)]
+                assert len(ranks) >= 2, "the core process starts the ranks"
+            results.append(answers(running))
+        finally:
+            running.stop()
+    assert results[1] == results[0]
+    assert all(results[0][0]) and results[0][1]
+    assert gone([core.pid, *ranks], within_s=20)

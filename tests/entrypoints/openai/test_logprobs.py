@@ -291,3 +291,111 @@ def test_echo_of_a_token_prompt_is_its_text(client: openai.OpenAI, server: Runni
     choice = out.choices[0]
     assert choice.text == PROMPT
     assert "".join(choice.logprobs.tokens) == PROMPT
+
+
+@pytest.fixture(scope="module")
+def whole_vocab_server(stories_dir: Path) -> Iterator[RunningServer]:
+    """A server started with --max-logprobs -1 (no cap: -1 asks for every token)."""
+    running = start_server(make_engine(stories_dir, max_logprobs=-1), chat_template=CHAT_TEMPLATE)
+    yield running
+    running.stop()
+
+
+def test_minus_one_beyond_the_default_max_logprobs_is_400(client: openai.OpenAI) -> None:
+    """vLLM's answers: -1 means the whole vocabulary, which the default max_logprobs (20)
+    does not allow; below -1 is invalid; completions' `logprobs` takes no -1."""
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    cases = [
+        ("prompt_logprobs", lambda: client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": -1})),
+        ("prompt_logprobs", lambda: client.chat.completions.create(
+            **chat, extra_body={"prompt_logprobs": -1})),
+        ("prompt_logprobs", lambda: client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": -2})),
+        ("logprobs", lambda: client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=1, logprobs=-1)),
+        ("logprobs", lambda: client.completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=1, logprobs=21)),
+        ("top_logprobs", lambda: client.chat.completions.create(
+            **chat, logprobs=True, top_logprobs=-2)),
+    ]  # fmt: skip
+    for param, call in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == param, (param, e.value.body)
+
+
+def test_minus_one_returns_every_token_with_max_logprobs_minus_one(
+    whole_vocab_server: RunningServer, reference: Callable
+) -> None:
+    client = whole_vocab_server.client()
+    vocab = whole_vocab_server.async_llm.engine.vocab_size
+    ids = _ids(whole_vocab_server, PROMPT)
+    ref = reference(ids)
+    out = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=2,
+        temperature=0.0,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": -1},
+    )
+    choice = out.choices[0]
+    pl = choice.model_extra["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    for p in range(1, len(ids)):
+        assert len(pl[p]) == vocab
+        got = torch.tensor([pl[p][str(t)]["logprob"] for t in range(vocab)])
+        torch.testing.assert_close(got, ref[p - 1].float(), atol=1e-4, rtol=0)
+    # echo's top_logprobs keep the request's own count: 2 besides the token.
+    assert all(len(top) in (2, 3) for top in choice.logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=-1,
+        extra_body={"prompt_logprobs": -1},
+    )
+    assert all(len(e) == vocab for e in chat.model_extra["prompt_logprobs"][1:])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == vocab for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+
+
+def test_streamed_prompt_logprobs_come_once_in_the_first_chunk_with_output(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM refuses prompt_logprobs with stream=True (a 400); here a stream carries
+    them once, as the plain answer has them: chat's at the top of the first chunk after
+    the role, completions' on each choice's first chunk."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 4, "temperature": 0.0}
+    plain = client.chat.completions.create(**chat, extra_body={"prompt_logprobs": 2})
+    chunks = list(
+        client.chat.completions.create(**chat, stream=True, extra_body={"prompt_logprobs": 2})
+    )
+    carrying = [k for k, c in enumerate(chunks) if c.model_extra.get("prompt_logprobs")]
+    assert carrying == [1], carrying  # chunk 0 is the role's, sent before any output
+    assert chunks[1].model_extra["prompt_logprobs"] == plain.model_extra["prompt_logprobs"]
+    assert chunks[1].choices[0].delta.content  # with the first token's text
+    without = client.chat.completions.create(**chat, stream=True)
+    assert all(c.model_extra.get("prompt_logprobs") is None for c in without)
+
+    kwargs = {"model": MODEL_NAME, "prompt": [PROMPT, "The cat"], "max_tokens": 3, "n": 2}
+    whole = client.completions.create(**kwargs, temperature=0.0, extra_body={"prompt_logprobs": 1})
+    first: dict[int, object] = {}
+    for chunk in client.completions.create(
+        **kwargs, temperature=0.0, stream=True, extra_body={"prompt_logprobs": 1}
+    ):
+        for choice in chunk.choices:
+            pl = choice.model_extra.get("prompt_logprobs")
+            if choice.index in first:
+                assert pl is None, "sent once per choice"
+            else:
+                first[choice.index] = pl
+    assert sorted(first) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        assert first[choice.index] == choice.model_extra["prompt_logprobs"]

@@ -326,3 +326,40 @@ def test_auto_tool_choice_parses_a_written_call(
         name, arguments = tool_call.function.name, tool_call.function.arguments
     assert finish == "tool_calls"
     assert name == "get_time" and json.loads(arguments) == {"zone": zone}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_streamed_auto_tool_call_arguments_come_in_fragments(
+    server: RunningServer, llama_server: RunningServer, parser: str
+) -> None:
+    """As vLLM's parsers stream them: the call's first delta has its index, id, type
+    and name; then only argument fragments, several, which concatenate to the plain
+    answer's arguments."""
+    arguments = '{"city": "Oslo", "days": 3}'
+    running, text = (
+        (server, f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>')
+        if parser == "hermes"
+        else (llama_server, f'{{"name": "get_weather", "parameters": {arguments}}}')
+    )
+    kwargs = {"tool_choice": "auto", "max_tokens": 150, "extra_body": {"guided_choice": [text]}}
+    plain = running.client().chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, **kwargs
+    )
+    (want,) = plain.choices[0].message.tool_calls
+    deltas = []
+    finish = None
+    for chunk in running.client().chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, stream=True, **kwargs
+    ):
+        for c in chunk.choices:
+            assert not c.delta.content
+            deltas += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert first.id.startswith("chatcmpl-tool-")
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    assert sum(1 for d in rest if d.function.arguments) >= 3
+    streamed = "".join(d.function.arguments or "" for d in deltas)
+    assert streamed == want.function.arguments == arguments
+    assert finish == "tool_calls"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from decodegraph.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCallInformation,
+    PartialToolCall,
     ToolParser,
 )
 from decodegraph.entrypoints.openai.tool_parsers.hermes_tool_parser import HermesToolParser
@@ -27,4 +28,10 @@ def get_tool_parser(name: str) -> type[ToolParser]:
         ) from None
 
 
-__all__ = ["ExtractedToolCallInformation", "TOOL_PARSERS", "ToolParser", "get_tool_parser"]
+__all__ = [
+    "ExtractedToolCallInformation",
+    "PartialToolCall",
+    "TOOL_PARSERS",
+    "ToolParser",
+    "get_tool_parser",
+]

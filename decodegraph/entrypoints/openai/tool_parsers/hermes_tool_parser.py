@@ -8,8 +8,10 @@ import re
 
 from decodegraph.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCallInformation,
+    PartialToolCall,
     ToolParser,
     held_back,
+    scan_call,
 )
 from decodegraph.entrypoints.openai.tool_protocol import FunctionCall, ToolCall
 
@@ -42,6 +44,20 @@ class HermesToolParser(ToolParser):
         if start >= 0:
             return start
         return len(text) - held_back(text, START)
+
+    def stream_calls(self, text: str, final: bool) -> list[PartialToolCall]:
+        calls: list[PartialToolCall] = []
+        start = text.find(START)
+        while start >= 0:
+            try:
+                call = scan_call(text, start + len(START), ("arguments",), final)
+            except ValueError:
+                break
+            calls.append(call)
+            if not call.complete:
+                break
+            start = text.find(START, call.end)
+        return calls
 
 
 def _tool_call(obj: dict) -> ToolCall:

@@ -8,7 +8,9 @@ import json
 
 from decodegraph.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ExtractedToolCallInformation,
+    PartialToolCall,
     ToolParser,
+    scan_call,
 )
 from decodegraph.entrypoints.openai.tool_protocol import FunctionCall, ToolCall
 
@@ -50,6 +52,25 @@ class Llama3JsonToolParser(ToolParser):
         if not stripped or BOT.startswith(stripped) or stripped.startswith(("{", BOT)):
             return 0  # may still be (or is) a tool call: hold it all
         return len(text)
+
+    def stream_calls(self, text: str, final: bool) -> list[PartialToolCall]:
+        text = text.lstrip()
+        if not (text.startswith(BOT) or text.startswith("{")):
+            return []
+        text = text.removeprefix(BOT)
+        calls: list[PartialToolCall] = []
+        pos = _skip_separators(text, 0)
+        while pos < len(text):
+            try:
+                # The first of the two keys written holds the arguments.
+                call = scan_call(text, pos, ("arguments", "parameters"), final)
+            except ValueError:
+                break
+            calls.append(call)
+            if not call.complete:
+                break
+            pos = _skip_separators(text, call.end)
+        return calls
 
 
 def _skip_separators(text: str, pos: int) -> int:

@@ -40,7 +40,7 @@ def test_an_unclosed_last_call_counts_when_the_output_ends() -> None:
     assert info.tool_calls[0].function.arguments == "{}"
 
 
-def test_streamed_pieces_give_content_then_whole_calls_once() -> None:
+def test_streamed_pieces_give_content_then_each_call_named_once() -> None:
     stream = ChatTools(TOOLS, True, parser).stream()
     content, calls = "", []
     pieces = [TWO_CALLS[i : i + 3] for i in range(0, len(TWO_CALLS), 3)]
@@ -50,7 +50,11 @@ def test_streamed_pieces_give_content_then_whole_calls_once() -> None:
         assert "<" not in (delta.content or ""), "a marker's start is held back"
         calls += delta.tool_calls
     assert content == "Let me check."
-    assert [(c.index, c.function.name) for c in calls] == [(0, "get_weather"), (1, "get_time")]
+    named = [(c.index, c.function.name) for c in calls if c.function.name is not None]
+    assert named == [(0, "get_weather"), (1, "get_time")]
+    for index, call in enumerate(parser.extract_tool_calls(TWO_CALLS).tool_calls):
+        streamed = "".join(c.function.arguments or "" for c in calls if c.index == index)
+        assert streamed == call.function.arguments
     assert stream.called
 
 

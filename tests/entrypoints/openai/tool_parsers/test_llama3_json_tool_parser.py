@@ -35,11 +35,14 @@ def test_prose_and_broken_json_are_content() -> None:
         assert not info.tools_called and info.content == text
 
 
-def test_streamed_call_is_held_until_complete_and_prose_streams() -> None:
+def test_streamed_call_is_named_once_its_name_is_complete_and_prose_streams() -> None:
     tools = ToolFields(tools=[{"type": "function", "function": {"name": "a"}}])
     stream = ChatTools(tools, True, parser).stream()
-    assert stream.feed('{"name": "a", ', False).tool_calls == []
-    assert stream.feed('"parameters": {}}', False).tool_calls[0].function.name == "a"
+    assert stream.feed('{"name": "a', False).tool_calls == []
+    (first,) = stream.feed('", "parameters": {', False).tool_calls
+    assert (first.function.name, first.function.arguments) == ("a", "{")
+    (rest,) = stream.feed("}}", False).tool_calls
+    assert (rest.function.name, rest.function.arguments) == (None, "}")
     assert stream.feed("", True).tool_calls == []
     prose = ChatTools(tools, True, parser).stream()
     assert prose.feed("Hello", False).content == "Hello"
