@@ -20,6 +20,11 @@ own dependencies need not match ours): `python3 -m venv /tmp/guidellm-venv &&
 /tmp/guidellm-venv/bin/guidellm` (default: `guidellm` on PATH).
 
     python benchmarks/bench_serve_guidellm.py --guidellm /tmp/guidellm-venv/bin/guidellm
+
+guidellm runs with one worker process (`--client-processes`; its default of ten takes a
+machine's few cores from the server). Each server row also shows the server's CPU
+seconds per output token (the server process and its children, such as the engine core's
+process), which other sessions' load moves less than tok/s.
 """
 
 from __future__ import annotations
@@ -72,6 +77,13 @@ def main() -> None:
         help="also serve this tree with these extra serve flags (repeatable)",
     )
     parser.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="guidellm's worker processes (GUIDELLM__MAX_WORKER_PROCESSES; its own default "
+        "is 10, which on a machine of few cores takes them from the server)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/bench_serve_guidellm.json"))
     args = parser.parse_args()
     guidellm = shutil.which(args.guidellm)
@@ -101,12 +113,21 @@ def main() -> None:
 
         runs: dict[str, list[dict[str, Any]]] = {}
         for r in range(args.rounds):
-            for name, (_, port) in servers.items():
+            for name, (proc, port) in servers.items():
                 for c in args.concurrency:
                     n = max(args.min_requests, c * args.requests_per_stream)
+                    cpu_before = _cpu_seconds(proc.pid)
                     run = _guidellm(guidellm, args, tokenizer_dir, port, c, n)
+                    tokens = run["output_tokens_per_request"] * n
+                    run["server_cpu_us_per_token"] = (
+                        (_cpu_seconds(proc.pid) - cpu_before) / tokens * 1e6
+                    )
                     runs.setdefault(f"{name} c={c}", []).append(run)
-                    print(f"round {r} {name} c={c}: {run['output_tok_s']:.0f} tok/s", flush=True)
+                    print(
+                        f"round {r} {name} c={c}: {run['output_tok_s']:.0f} tok/s, "
+                        f"server {run['server_cpu_us_per_token']:.0f} CPU µs/token",
+                        flush=True,
+                    )
             for batch in sorted({1, max(args.concurrency)}):
                 n = args.min_requests if batch == 1 else batch * 4
                 for name, delta in (("offline", False), ("engine DELTA", True)):
@@ -122,14 +143,18 @@ def main() -> None:
     rows = []
     for name in ("offline", "engine DELTA"):
         for b in sorted({1, max(args.concurrency)}):
-            rows.append([name, f"b={b}", medians[f"{name} b={b}"], "", "", ""])
+            rows.append([name, f"b={b}", medians[f"{name} b={b}"], "", "", "", ""])
     for name in servers:
         for c in args.concurrency:
             ceiling = medians[f"offline b={1 if c == 1 else max(args.concurrency)}"]
             key = f"{name} c={c}"
             itl = statistics.median(x["itl_ms_p50"] for x in runs[key])
-            rows.append([name, c, medians[key], ceiling, medians[key] / ceiling, itl])
-    print_table(["server", "conc", "tok/s", "offline tok/s", "x offline", "ITL p50 ms"], rows)
+            cpu = statistics.median(x["server_cpu_us_per_token"] for x in runs[key])
+            rows.append([name, c, medians[key], ceiling, medians[key] / ceiling, itl, cpu])
+    print_table(
+        ["server", "conc", "tok/s", "offline tok/s", "x offline", "ITL p50 ms", "CPU µs/tok"],
+        rows,
+    )
     write_json(
         args.out,
         "serve-guidellm",
@@ -143,6 +168,22 @@ def main() -> None:
             "runs": runs,
         },
     )
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds of a server and its live children (the engine core's process and its
+    workers): its cost per token, which a shared machine's load moves less than tok/s."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _guidellm(
@@ -160,7 +201,8 @@ def _guidellm(
                "--tokenizer", f"kind=hf_auto,model={tokenizer_dir}",
                "--constraint", f"kind=max_requests,count={count}",
                "--output", f"kind=json,path={out}", "--disable-console"]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": str(args.client_processes)}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if done.returncode != 0 or not out.is_file():
             raise RuntimeError(f"guidellm failed: {done.stdout[-1500:]}{done.stderr[-1500:]}")
         bench = json.loads(out.read_text())["benchmarks"][0]
