@@ -85,8 +85,10 @@ class _Tied(torch.nn.Module):
 def test_an_inductor_graph_reads_the_weights_themselves_and_is_called_directly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from torch._inductor.utils import fresh_cache
+
     model, x = _Tied(), torch.randn(4, 8)
-    with caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
+    with fresh_cache(), caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
         graph = CpuGraph("g", model, [x], use_inductor=True)
     assert "calling Inductor's function directly" in caplog.text
     x.copy_(torch.randn(4, 8))
