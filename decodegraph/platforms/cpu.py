@@ -56,8 +56,10 @@ class CpuPlatform(Platform):
     supports_graphs: ClassVar[bool] = True
     default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
-    # in a process with a cold cache), so few sizes keep a cold start short.
-    default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8]
+    # in a process with a cold cache), so few sizes keep a cold start short. No 2: a
+    # batch of 2 padded to the 4-row graph costs little or nothing over its own graph
+    # (a weight-bound step reads the same weights; see README and docs/performance.md).
+    default_capture_sizes: ClassVar[list[int]] = [1, 4, 8]
     # vLLM's CPU defaults for chunked prefill.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {
         "LLM_CLASS": 4096,
