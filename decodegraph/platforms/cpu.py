@@ -56,8 +56,10 @@ class CpuPlatform(Platform):
     supports_graphs: ClassVar[bool] = True
     default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
-    # in a process with a cold cache), so few sizes keep a cold start short.
-    default_capture_sizes: ClassVar[list[int]] = [1, 2, 4, 8]
+    # in a process with a cold cache), so few sizes keep a cold start short. No 2: a
+    # batch of 2 padded to the 4-row graph costs little or nothing over its own graph
+    # (a weight-bound step reads the same weights; see README and docs/performance.md).
+    default_capture_sizes: ClassVar[list[int]] = [1, 4, 8]
     # vLLM's CPU defaults for chunked prefill.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {
         "LLM_CLASS": 4096,
@@ -70,10 +72,14 @@ class CpuPlatform(Platform):
     # (freezing + max_autotune) are left to inductor_compile_config: frozen graphs are
     # not cached, so they multiply start-up. No size, stride, alignment or scalar asserts
     # on every call: a graph is replayed with the very tensors it was captured with, and
-    # the graph runner checks their addresses on its first replay. docs/performance.md
-    # has what each option measured.
+    # the graph runner checks their addresses on its first replay. The wrapper (one long
+    # function of a few hundred calls into ATen and the kernels, unrolled over the
+    # layers) is built apart from the kernels and at -O1, the kernels at -O3 as before:
+    # -O3 over the wrapper was most of a cold compile and bought no replay time.
+    # docs/performance.md has what each option measured.
     default_inductor_options: ClassVar[dict[str, object]] = {
         "cpp_wrapper": True,
+        "cpp_wrapper_build_separate": True,
         "post_grad_fusion_options": {"decompose_mm_pass": {}},
         "size_asserts": False,
         "alignment_asserts": False,

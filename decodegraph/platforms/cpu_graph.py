@@ -13,7 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
+from decodegraph.platforms import cpu_graph_cache
 from decodegraph.platforms.base import DeviceGraph, GraphFn, trace
 
 logger = logging.getLogger(__name__)
@@ -40,27 +42,42 @@ def compile_with_inductor(
     The compile runs in a tracing context whose fake mode has a shape env: Inductor's FX
     graph cache keeps its guards in it, and bypasses itself without one, so a graph
     from make_fx (no dynamo) would be compiled afresh in every process. Every shape is
-    static, so there are no guards to keep.
-    """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch.utils import _pytree as pytree
+    static, so there are no guards to keep. A graph traced the same way before, whose
+    module is still in Inductor's cache, skips the compile altogether (cpu_graph_cache).
 
+    The callable returned has run once over `inputs` (a smoke test and warm-up).
+    """
+    node_meta = cpu_graph_cache.node_metadata(gm)
     # make_fx leaves fake values made under separate fake modes; Inductor wants one.
     for node in gm.graph.nodes:
         node.meta.pop("val", None)
         node.meta.pop("tensor_meta", None)
     constants = _lift_tensor_attributes(gm)
     args = [*inputs, *constants]
-    if options and options.get("cpp_wrapper") and _calls_c10d(gm):
+    options = dict(options or {})
+    if options.get("cpp_wrapper") and _calls_c10d(gm):
         # A c10d functional collective takes a process group's name, which Inductor's
         # C++ wrapper cannot pass yet: the Python wrapper calls such a graph. (The
         # shared-memory collectives take a tensor and ints, and leave it on.)
-        options = {**options, "cpp_wrapper": False}
+        options["cpp_wrapper"] = False
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    spec = pytree.tree_flatten(output.args[0])[1]
+    key = cpu_graph_cache.graph_key(gm, node_meta, args, options)
+    cached = cpu_graph_cache.load(key, options)
+    if cached is not None:
+        with torch.no_grad():
+            got = cached(list(args))
+        if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
+            logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
+            return lambda *xs: pytree.tree_unflatten(cached([*xs, *constants]), spec)
+        logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     inner: list[Callable[[list], list]] = []
 
     def capture_inner(graph: torch.fx.GraphModule, example_inputs: list, **kw: object) -> object:
@@ -84,8 +101,8 @@ def compile_with_inductor(
     ):
         wrapped = compile_fx(gm, fake_args, inner_compile=capture_inner)
     with torch.no_grad():
-        expected, spec = pytree.tree_flatten(wrapped(*args))
-        if len(inner) == 1:
+        expected = pytree.tree_leaves(wrapped(*args))
+        if len(inner) == 1 and len(expected) == spec.num_leaves:
             got = inner[0](list(args))
             if len(got) == len(expected) and all(
                 isinstance(a, torch.Tensor) and torch.equal(a, b)
@@ -94,6 +111,9 @@ def compile_with_inductor(
                 # After its first call, the compiled graph's own callable (the wrapper
                 # around it only records metrics and closes compile-time caches).
                 fast = getattr(inner[0], "current_callable", None) or inner[0]
+                module_key = getattr(inner[0], "cache_key", None)
+                if isinstance(module_key, str) and fast is not inner[0]:
+                    cpu_graph_cache.save(key, module_key)
                 logger.debug("graph of %d inputs: calling Inductor's function directly", len(args))
                 return lambda *xs: pytree.tree_unflatten(fast([*xs, *constants]), spec)
     logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
@@ -159,11 +179,11 @@ class CpuGraph(DeviceGraph):
         # A compiled graph returns a list even for one tensor; give back what fn returns.
         self._single_output = not isinstance(output.args[0], (tuple, list))
         if use_inductor:
+            # Runs the compiled graph once: a failure shows at start-up.
             self._callable = compile_with_inductor(self.graph_module, inputs, inductor_options)
         else:
             self._callable = self.graph_module
-        # One run now, so a failure shows at start-up and compiled code is warm.
-        self._run()
+            self._run()  # one run now, so a failure shows at start-up
 
     def _run(self) -> Any:
         out = self._callable(*self.inputs)

@@ -183,7 +183,7 @@ def _generate_capture_sizes(argv: list[str]) -> list[int]:
 
 @pytest.mark.parametrize(
     ("prompts", "sizes"),
-    [(0, [1]), (1, [1]), (3, [1, 2, 3]), (4, [1, 2, 4]), (20, [1, 2, 4, 8, 20])],
+    [(0, [1]), (1, [1]), (2, [1, 2]), (3, [1, 3]), (4, [1, 4]), (20, [1, 4, 8, 20])],
 )
 def test_generate_captures_only_the_batch_sizes_its_prompts_can_reach(
     stories_dir: Path, prompts: int, sizes: list[int]

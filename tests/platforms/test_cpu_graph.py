@@ -85,8 +85,10 @@ class _Tied(torch.nn.Module):
 def test_an_inductor_graph_reads_the_weights_themselves_and_is_called_directly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    from torch._inductor.utils import fresh_cache
+
     model, x = _Tied(), torch.randn(4, 8)
-    with caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
+    with fresh_cache(), caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
         graph = CpuGraph("g", model, [x], use_inductor=True)
     assert "calling Inductor's function directly" in caplog.text
     x.copy_(torch.randn(4, 8))
@@ -128,3 +130,69 @@ def test_a_graph_compiled_again_is_loaded_from_inductors_cache_not_regenerated(
     assert len(lowerings) == 1
     torch.testing.assert_close(second.replay(), _affine(x, w))
     assert first.replay().shape == (4, 8)
+
+
+def _count_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import torch._inductor.compile_fx as compile_fx
+
+    compiles: list[int] = []
+    original = compile_fx.compile_fx
+
+    def counted(*args: object, **kwargs: object) -> object:
+        compiles.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx", counted)
+    return compiles
+
+
+def test_a_graph_traced_again_loads_its_module_without_compiling(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A later engine whose trace is the same graph skips AOTAutograd and Inductor
+    altogether: the compiled-graph index names the module the first compile wrote."""
+    from torch._inductor.utils import fresh_cache
+
+    compiles = _count_compiles(monkeypatch)
+    with fresh_cache():
+        CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
+        x, w = torch.randn(4, 8), torch.randn(8, 8)
+        with caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
+            second = CpuGraph("g", _affine, [x, w], True)
+    assert len(compiles) == 1
+    assert "Inductor's module from an earlier compile" in caplog.text
+    torch.testing.assert_close(second.replay(), _affine(x, w))
+    x.copy_(torch.randn(4, 8))  # bound inputs, read at every replay
+    torch.testing.assert_close(second.replay(), _affine(x, w))
+
+
+def test_another_shape_or_another_graph_is_compiled_not_taken_from_the_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._inductor.utils import fresh_cache
+
+    compiles = _count_compiles(monkeypatch)
+    with fresh_cache():
+        CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
+        x, w = torch.randn(2, 8), torch.randn(8, 8)
+        smaller = CpuGraph("g", _affine, [x, w], True)
+        other = CpuGraph("g", lambda x, w: torch.relu(x @ w) + 2, [x, w], True)
+    assert len(compiles) == 3
+    torch.testing.assert_close(smaller.replay(), _affine(x, w))
+    torch.testing.assert_close(other.replay(), torch.relu(x @ w) + 2)
+
+
+def test_an_index_entry_whose_module_is_gone_compiles_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.utils import fresh_cache
+
+    compiles = _count_compiles(monkeypatch)
+    with fresh_cache():
+        CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
+        PyCodeCache.cache_clear(purge=True)  # deletes the modules' files too
+        x, w = torch.randn(4, 8), torch.randn(8, 8)
+        again = CpuGraph("g", _affine, [x, w], True)
+    assert len(compiles) == 2
+    torch.testing.assert_close(again.replay(), _affine(x, w))

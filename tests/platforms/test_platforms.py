@@ -369,3 +369,29 @@ def test_the_isa_probe_stays_for_a_narrowed_build_and_at_the_users_word(
     assert CpuPlatform().inductor_options(user)["cpp.vec_isa_ok"] is None
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert "cpp.vec_isa_ok" not in CpuPlatform().inductor_options(CompilationConfig())
+
+
+def test_cpu_graphs_build_the_wrapper_at_o1_and_the_kernels_at_o3_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The C++ wrapper of a CPU graph (ATen calls unrolled over the layers) is compiled
+    apart from its kernels and less optimised; the kernels keep -O3."""
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch._inductor.utils import fresh_cache
+
+    commands: list[str] = []
+    run = cpp_builder.run_compile_cmd
+
+    def recorded(cmd_line: str, cwd: str) -> None:
+        commands.append(cmd_line)
+        run(cmd_line, cwd)
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", recorded)
+    platform, x = CpuPlatform(), torch.randn(4, 8)
+    with fresh_cache():
+        graph = platform.make_graph("g", lambda x: (torch.relu(x) + 1,), [x], CompilationConfig())
+    torch.testing.assert_close(graph.replay()[0], torch.relu(x) + 1)
+    wrapper = [c for c in commands if ".main.cpp" in c]
+    kernels = [c for c in commands if ".optimized.cpp" in c]
+    assert len(wrapper) == 1 and " -O1 " in wrapper[0] and " -O3 " not in wrapper[0]
+    assert len(kernels) == 1 and " -O3 " in kernels[0]

@@ -1,0 +1,135 @@
+"""An index from a traced CPU graph to the Inductor module compiled for it.
+
+A warm start (Inductor's cache directory already filled) still re-ran most of the
+compile for every graph: AOTAutograd's second trace of the whole model, fake inputs for
+every weight and Inductor's own cache key, only to load the module the cold start wrote.
+This index keys each compiled module by the traced graph itself (its code, every node's
+shape, dtype and strides, every input's layout), the Inductor options and config, and the
+torch build, and records which module Inductor wrote for it; a later process that traces
+the same graph loads that module directly. The trace still runs in every process, so a
+change to the model, an operator or a buffer's shape changes the key and compiles
+afresh: nothing here trusts a cached result for a graph it has not traced.
+
+Entries live beside Inductor's own cache (`TORCHINDUCTOR_CACHE_DIR`); an entry whose
+module is gone, or that cannot be read, is a miss. Only a graph whose Inductor function
+was called directly and matched AOTAutograd's wrapper at its cold compile is entered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when what an entry holds or how the key is made changes.
+_VERSION = 1
+_DIR_NAME = "decodegraph_graphs"
+
+
+def graph_key(
+    gm: torch.fx.GraphModule,
+    node_meta: Sequence[object],
+    args: Sequence[torch.Tensor],
+    options: dict[str, object],
+) -> str:
+    """The key of a traced graph whose tensor attributes are already placeholders.
+
+    `node_meta` is each node's value metadata from the trace (see `node_metadata`),
+    taken before compile_with_inductor strips it."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(options):
+        inductor = inductor_config.save_config_portable()
+    parts = [
+        f"v{_VERSION}",
+        torch.__version__,
+        str(torch.version.git_version),
+        torch.backends.cpu.get_cpu_capability(),
+        repr(sorted(inductor.items(), key=lambda kv: kv[0])),
+        repr(sorted(functorch_config.save_config_portable().items(), key=lambda kv: kv[0])),
+        gm.code,
+        repr(list(node_meta)),
+        repr([_tensor_layout(a) for a in args]),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def node_metadata(gm: torch.fx.GraphModule) -> list[object]:
+    """Each node's traced value as (shape, stride, dtype), or its repr for non-tensors."""
+    meta: list[object] = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        values = val if isinstance(val, (list, tuple)) else (val,)
+        meta.append(
+            [
+                (tuple(v.shape), tuple(v.stride()), str(v.dtype))
+                if isinstance(v, torch.Tensor)
+                else repr(v)
+                for v in values
+            ]
+        )
+    return meta
+
+
+def _tensor_layout(t: torch.Tensor) -> tuple[object, ...]:
+    # Not the storage offset: compiled code indexes an input from its data pointer
+    # (Inductor's own key drops it too), and a KV cache's offset in its mapping differs
+    # from process to process.
+    return (
+        tuple(t.shape),
+        t.stride(),
+        str(t.dtype),
+        str(t.device),
+        t.requires_grad,
+        t.is_inference(),
+    )
+
+
+def _entry_path(key: str) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), _DIR_NAME, f"{key}.json")
+
+
+def load(key: str, options: dict[str, object]) -> Callable[[list], list] | None:
+    """The compiled function (Inductor's `call`, taking one flat list of inputs) entered
+    under `key`, or None. Loads under `options`, so that the module finds the C++
+    library it was built with instead of building another."""
+    path = _entry_path(key)
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        module_key = entry["module_key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codecache import PyCodeCache, get_path
+
+    module_path = get_path(module_key, "py")[2]
+    if not os.path.exists(module_path):
+        return None
+    try:
+        with inductor_config.patch(options):
+            module = PyCodeCache.load_by_key_path(module_key, module_path)
+    except Exception as e:  # a broken entry is a miss, never a failed start-up
+        logger.warning("ignoring compiled-graph entry %s: %s", path, e)
+        return None
+    call = getattr(module, "call", None)
+    return call if callable(call) else None
+
+
+def save(key: str, module_key: str) -> None:
+    """Enter the Inductor module `module_key` (PyCodeCache's key) under `key`."""
+    from torch._inductor.codecache import write_atomic
+
+    try:
+        write_atomic(_entry_path(key), json.dumps({"module_key": module_key}), make_dirs=True)
+    except OSError as e:
+        logger.debug("could not write compiled-graph entry: %s", e)
