@@ -122,6 +122,10 @@ class Platform:
     def configure_process(self) -> None:
         """Process-wide settings the platform wants before the engine starts."""
 
+    def prepare_graph_compile(self, config: CompilationConfig) -> None:
+        """Start, in the background, what the graph compiles will need, while the model
+        loads (start-up calls it where graphs may be captured; capture works without)."""
+
     def set_device(self, local_rank: int) -> None:
         """Make the `local_rank`-th device of this host the process's (one per rank)."""
 

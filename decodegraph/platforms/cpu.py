@@ -15,7 +15,7 @@ import torch
 
 from decodegraph import native
 from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
-from decodegraph.platforms.cpu_graph import CpuGraph, compile_with_inductor
+from decodegraph.platforms.cpu_graph import CpuGraph, compile_with_inductor, start_vector_isa_probe
 
 if TYPE_CHECKING:
     from decodegraph.config import CompilationConfig
@@ -108,6 +108,12 @@ class CpuPlatform(Platform):
         torch.set_num_threads(n)
 
     # ---------------------------------------------------------------- graphs
+
+    def prepare_graph_compile(self, config: CompilationConfig) -> None:
+        """Inductor's choice of vector ISA (a compiler run and a child Python per ISA
+        feature it checks, in every process) runs in a thread while the model loads."""
+        if config.use_inductor:
+            start_vector_isa_probe(skip_base_probe=_inductor_isa_probe_redundant())
 
     def graph_decompositions(self) -> dict:
         return native.decompositions()

@@ -9,6 +9,7 @@ become trailing inputs of the compiled function, never copies.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,43 @@ from decodegraph.platforms import cpu_graph_cache
 from decodegraph.platforms.base import DeviceGraph, GraphFn, trace
 
 logger = logging.getLogger(__name__)
+
+
+# Inductor's vector-ISA probe, started early by start_vector_isa_probe.
+_isa_probe: threading.Thread | None = None
+
+
+def start_vector_isa_probe(skip_base_probe: bool) -> None:
+    """Run Inductor's vector-ISA choice in a thread of its own, once per process.
+
+    Inductor makes it before its first CPU graph: a test library per ISA feature, each
+    compiled (cold) and loaded by a child Python (every process), mostly time spent
+    waiting on those processes. Started while the model loads, it is done or nearly so
+    when the first graph compiles; compile_with_inductor waits for it, so that no two
+    threads patch Inductor's config at once. `skip_base_probe`: our operators' build
+    stands for the base ISA check (CpuPlatform's `cpp.vec_isa_ok`).
+    """
+    global _isa_probe
+    if _isa_probe is not None:
+        return
+
+    def probe() -> None:
+        try:
+            import torch._inductor.config as inductor_config
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            with inductor_config.patch({"cpp.vec_isa_ok": True} if skip_base_probe else {}):
+                pick_vec_isa()  # cached for the process: the compiles reuse its answer
+        except Exception as e:  # noqa: BLE001 - the compile will probe for itself
+            logger.debug("early vector-ISA probe failed: %s", e)
+
+    _isa_probe = threading.Thread(target=probe, name="decodegraph-isa-probe", daemon=True)
+    _isa_probe.start()
+
+
+def _wait_for_isa_probe() -> None:
+    if _isa_probe is not None:
+        _isa_probe.join()
 
 
 def compile_with_inductor(
@@ -47,6 +85,7 @@ def compile_with_inductor(
 
     The callable returned has run once over `inputs` (a smoke test and warm-up).
     """
+    _wait_for_isa_probe()
     node_meta = cpu_graph_cache.node_metadata(gm)
     # make_fx leaves fake values made under separate fake modes; Inductor wants one.
     for node in gm.graph.nodes:

@@ -132,6 +132,9 @@ class Worker:
     # ---------------------------------------------------------------- start-up
 
     def load_model(self) -> None:
+        cc = self.config.compilation_config
+        if not self.config.enforce_eager and cc.cudagraph_mode is not CUDAGraphMode.NONE:
+            self.platform.prepare_graph_compile(cc)
         self.runner.load_model(self.config.model_config.model_path)
 
     def profile_run(self) -> None:

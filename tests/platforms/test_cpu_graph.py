@@ -196,3 +196,57 @@ def test_an_index_entry_whose_module_is_gone_compiles_afresh(
         again = CpuGraph("g", _affine, [x, w], True)
     assert len(compiles) == 2
     torch.testing.assert_close(again.replay(), _affine(x, w))
+
+
+def test_the_first_compile_waits_for_the_early_vector_isa_probe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe thread patches Inductor's config: no compile may overlap it."""
+    import threading
+    import time
+
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    from decodegraph.platforms import cpu_graph
+
+    done = threading.Event()
+
+    def slow_pick() -> object:
+        time.sleep(0.3)
+        done.set()
+        return None
+
+    seen: list[bool] = []
+    node_metadata = cpu_graph.cpu_graph_cache.node_metadata
+
+    def recording(gm: torch.fx.GraphModule) -> list[object]:
+        seen.append(done.is_set())
+        return node_metadata(gm)
+
+    monkeypatch.setattr(cpu_graph, "_isa_probe", None)
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", slow_pick)
+    monkeypatch.setattr(cpu_graph.cpu_graph_cache, "node_metadata", recording)
+    cpu_graph.start_vector_isa_probe(skip_base_probe=True)
+    cpu_graph.start_vector_isa_probe(skip_base_probe=True)  # once per process
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [x, w], use_inductor=True)
+    assert seen == [True]
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+
+
+@pytest.mark.parametrize(("mode", "starts"), [("NONE", False), ("FULL_DECODE_ONLY", True)])
+def test_start_up_probes_the_vector_isa_early_only_where_graphs_are_compiled(
+    monkeypatch: pytest.MonkeyPatch, mode: str, starts: bool
+) -> None:
+    from decodegraph.entrypoints.llm import LLM
+    from decodegraph.platforms.cpu import CpuPlatform
+
+    calls: list[object] = []
+    monkeypatch.setattr(CpuPlatform, "prepare_graph_compile", lambda self, cc: calls.append(cc))
+    llm = LLM(
+        "stories260K",
+        max_num_seqs=1,
+        compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": [1]},
+    )
+    assert bool(calls) is starts
+    del llm
