@@ -1,7 +1,7 @@
 """decodegraph's CPU operators split large inputs over torch's intra-op threads: each
 row is computed by exactly one thread, so every split gives the bits of one thread.
 The batch-1 projection is as exact as BLAS's (float32) and torch.mm's (bfloat16), and
-the layers use it at batch 1 (float32), in eager steps and in traced and compiled graphs."""
+the layers use it at batch 1, in eager steps and in traced and compiled graphs."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _loaded_layer(dtype: torch.dtype, input_size: int, output_size: int) -> torc
     return layer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_take_the_batch_1_projection_in_eager_steps_and_in_graphs(
     cpu_ops: object, dtype: torch.dtype
 ) -> None:
@@ -146,9 +146,10 @@ def test_layers_take_the_batch_1_projection_in_eager_steps_and_in_graphs(
     assert any("linear_one_row" in str(n.target) for n in traced.nodes)
     assert not any("linear_one_row" in str(n.target) for n in make_fx(layer)(x2).graph.nodes)
     assert _loaded_layer(dtype, 64, 96).one_row is None  # under 64Ki values: mm
+    assert _loaded_layer(torch.float16, 256, 384).one_row is None  # float16: mm
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_inductor_graph_calls_the_batch_1_projection_as_an_opaque_operator(
     cpu_ops: object, dtype: torch.dtype
 ) -> None:
