@@ -296,7 +296,7 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
         return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
     };
     std::vector<float> xf(k);
-    widen_bf16(xf.data(), bf16(x), k);
+    widen_bf16_pairs(xf.data(), bf16(x), k);
     const uint16_t *w = bf16(weight), *b = bias.has_value() ? bf16(*bias) : nullptr;
     auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {

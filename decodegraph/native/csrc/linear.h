@@ -7,7 +7,9 @@
 //
 // bfloat16 weights (and bias, and output) are summed in float32 against a float32 x (the
 // caller widens a bf16 activation once per call): each bf16 product is exact in float32,
-// and the sum is rounded to bf16 once, at the end.
+// and the sum is rounded to bf16 once, at the end. The weights are widened by integer
+// shifts and masks, not by at::vec's bf16 conversion, whose lane shuffles made a
+// one-thread product slower on AVX-512 (docs/performance.md).
 #ifndef DECODEGRAPH_LINEAR_H
 #define DECODEGRAPH_LINEAR_H
 
@@ -56,38 +58,54 @@ inline void linear_one_row_f32(float* y, const float* x, const float* w, const f
     }
 }
 
-// y[n] = bf16(dot(x, W[n]) + b[n]) for a float32 x [k] and bf16 W [n, k], b [n] (b may be
-// null), over output rows [begin, end).
+// A bf16 row read as 32-bit words, each two neighbouring values (little-endian: the
+// first in the low half): `w << 16` is the first of each pair as a float, `w & 0xffff0000`
+// the second. A block of kBf16Block values is two float vectors, its even values then its
+// odd ones, with no shuffle. x is widened once into that order (widen_bf16_pairs).
+constexpr int64_t kBf16Block = 2 * kLanes;
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "bf16 pairs are read little-endian");
+
+inline Vec bf16_even(const VecI& w) { return at::vec::cast<float>(w << VecI(16)); }
+inline Vec bf16_odd(const VecI& w) {
+    return at::vec::cast<float>(w & VecI(static_cast<int32_t>(0xffff0000u)));
+}
+
+// out = float(in) for k values, each whole block of kBf16Block as its even values then its
+// odd ones, the rest in order: the x of linear_one_row_bf16.
+inline void widen_bf16_pairs(float* out, const uint16_t* in, int64_t k) {
+    const int64_t kv = k - k % kBf16Block;
+    for (int64_t i = 0; i < kv; i += kBf16Block) {
+        const VecI w = VecI::loadu(in + i);
+        bf16_even(w).store(out + i);
+        bf16_odd(w).store(out + i + kLanes);
+    }
+    for (int64_t i = kv; i < k; i++)
+        out[i] = bf16_to_f32(in[i]);
+}
+
+// y[n] = bf16(dot(x, W[n]) + b[n]) for a float32 x [k] in widen_bf16_pairs' order and bf16
+// W [n, k], b [n] (b may be null), over output rows [begin, end). The order of the sum
+// depends on k and the ISA alone, never on the rows a thread was given.
 inline void linear_one_row_bf16(uint16_t* y, const float* x, const uint16_t* w, const uint16_t* b,
                                 int64_t begin, int64_t end, int64_t k) {
-    using VecB = at::vec::Vectorized<c10::BFloat16>;
-    constexpr int64_t kLanesB = VecB::size();  // one bf16 vector widens to two float ones
-    static_assert(kLanesB == 2 * kLanes, "a bf16 vector holds two float vectors' lanes");
-    // Two accumulators a row (one per half of a bf16 vector): the sum's order depends on
-    // k and the ISA alone, never on the rows a thread was given.
-    const auto widen = [](const uint16_t* p) {
-        return at::vec::convert_bfloat16_float(VecB::loadu(p));
-    };
-    const int64_t kv = k - k % kLanesB;  // the values the vector loop sums
+    const int64_t kv = k - k % kBf16Block;  // the values the vector loop sums
     int64_t n = begin;
     for (; n + 4 <= end; n += 4) {
         const uint16_t *w0 = w + n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
         Vec a0(0.f), b0(0.f), a1(0.f), b1(0.f), a2(0.f), b2(0.f), a3(0.f), b3(0.f);
         int64_t i = 0;
-        for (; i < kv; i += kLanesB) {
-            const Vec xl = Vec::loadu(x + i), xh = Vec::loadu(x + i + kLanes);
-            auto [l0, h0] = widen(w0 + i);
-            a0 = at::vec::fmadd(l0, xl, a0);
-            b0 = at::vec::fmadd(h0, xh, b0);
-            auto [l1, h1] = widen(w1 + i);
-            a1 = at::vec::fmadd(l1, xl, a1);
-            b1 = at::vec::fmadd(h1, xh, b1);
-            auto [l2, h2] = widen(w2 + i);
-            a2 = at::vec::fmadd(l2, xl, a2);
-            b2 = at::vec::fmadd(h2, xh, b2);
-            auto [l3, h3] = widen(w3 + i);
-            a3 = at::vec::fmadd(l3, xl, a3);
-            b3 = at::vec::fmadd(h3, xh, b3);
+        for (; i < kv; i += kBf16Block) {
+            const Vec xe = Vec::loadu(x + i), xo = Vec::loadu(x + i + kLanes);
+            const VecI u0 = VecI::loadu(w0 + i), u1 = VecI::loadu(w1 + i);
+            const VecI u2 = VecI::loadu(w2 + i), u3 = VecI::loadu(w3 + i);
+            a0 = at::vec::fmadd(bf16_even(u0), xe, a0);
+            b0 = at::vec::fmadd(bf16_odd(u0), xo, b0);
+            a1 = at::vec::fmadd(bf16_even(u1), xe, a1);
+            b1 = at::vec::fmadd(bf16_odd(u1), xo, b1);
+            a2 = at::vec::fmadd(bf16_even(u2), xe, a2);
+            b2 = at::vec::fmadd(bf16_odd(u2), xo, b2);
+            a3 = at::vec::fmadd(bf16_even(u3), xe, a3);
+            b3 = at::vec::fmadd(bf16_odd(u3), xo, b3);
         }
         float s0 = sum(a0 + b0), s1 = sum(a1 + b1), s2 = sum(a2 + b2), s3 = sum(a3 + b3);
         for (; i < k; i++) {
@@ -105,25 +123,16 @@ inline void linear_one_row_bf16(uint16_t* y, const float* x, const uint16_t* w, 
         const uint16_t* wn = w + n * k;
         Vec a(0.f), c(0.f);
         int64_t i = 0;
-        for (; i < kv; i += kLanesB) {
-            auto [l, h] = widen(wn + i);
-            a = at::vec::fmadd(l, Vec::loadu(x + i), a);
-            c = at::vec::fmadd(h, Vec::loadu(x + i + kLanes), c);
+        for (; i < kv; i += kBf16Block) {
+            const VecI u = VecI::loadu(wn + i);
+            a = at::vec::fmadd(bf16_even(u), Vec::loadu(x + i), a);
+            c = at::vec::fmadd(bf16_odd(u), Vec::loadu(x + i + kLanes), c);
         }
         float s = sum(a + c);
         for (; i < k; i++)
             s += bf16_to_f32(wn[i]) * x[i];
         y[n] = f32_to_bf16(s + (b ? bf16_to_f32(b[n]) : 0.f));
     }
-}
-
-// out[i] = float(in[i]) for i < k: a bf16 row widened once for linear_one_row_bf16.
-inline void widen_bf16(float* out, const uint16_t* in, int64_t k) {
-    int64_t i = 0;
-    for (; i + kLanes <= k; i += kLanes)
-        load_bf16(in + i, kLanes).store(out + i);
-    for (; i < k; i++)
-        out[i] = bf16_to_f32(in[i]);
 }
 
 }  // namespace decodegraph
