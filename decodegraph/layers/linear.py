@@ -38,7 +38,7 @@ from decodegraph.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from decodegraph.native import cpu_ops_for
+from decodegraph.native import load_cpu_ops
 
 
 def read_weight(loaded_weight: Any) -> torch.Tensor:
@@ -93,12 +93,16 @@ _ONE_ROW_MIN_NUMEL = 1 << 16
 
 def one_row_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """`f(x [1, k], weight [n, k], bias | None) -> [1, n]`, the CPU operators' batch-1
-    projection, where it applies to `weight` (float32 on CPU, operators built, at least
-    _ONE_ROW_MIN_NUMEL values): it spreads the weight reads over the intra-op threads,
-    where BLAS keeps one row on one thread (docs/performance.md). None elsewhere: mm."""
-    if weight.numel() < _ONE_ROW_MIN_NUMEL:
+    projection, where it applies to `weight` (float32 or bfloat16 on CPU, operators built,
+    at least _ONE_ROW_MIN_NUMEL values): it spreads the weight reads over the intra-op
+    threads, where BLAS keeps one row on one thread (docs/performance.md). x and bias
+    are of the weight's dtype, and so is the output (bfloat16 sums in float32). None
+    elsewhere: mm."""
+    if weight.numel() < _ONE_ROW_MIN_NUMEL or weight.device.type != "cpu":
         return None
-    ops = cpu_ops_for(weight)
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    ops = load_cpu_ops()
     return None if ops is None else ops.linear_one_row
 
 

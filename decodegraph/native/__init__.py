@@ -11,6 +11,10 @@
 - `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.h, bit for bit the
   tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.h): one pass each
   instead of five and three ops per layer.
+- `decodegraph_cpu::linear_one_row` (csrc/linear.h): one row times a float32 or bfloat16
+  weight (bf16 summed in float32), its output rows split over the intra-op threads:
+  BLAS's one-row product reads the weights on one thread (layers/linear.py uses it at
+  batch 1).
 - `decodegraph_cpu::shm_all_reduce` and `shm_all_gather` (csrc/shm_all_reduce.h): the
   tensor-parallel collectives between the ranks of one host through shared memory, set
   up by decodegraph/distributed/shm_all_reduce.py; a gloo all-reduce over loopback costs
@@ -30,7 +34,9 @@ torch's intra-op threads.
 
 Graph traces see the pointwise and norm operators as the aten ops they stand for
 (`decompositions()`), so Inductor fuses them with their neighbours; the attention
-operator stays opaque. Layers call them through `cpu_ops_for(x)`: float32 on CPU only.
+operator and the batch-1 projection stay opaque. Layers call them through
+`cpu_ops_for(x)`: float32 on CPU only (the attention and the batch-1 projection take
+bfloat16 too).
 """
 
 from __future__ import annotations

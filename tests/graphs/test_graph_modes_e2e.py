@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.forward_context import BatchDescriptor
 from decodegraph.graphs.graph_runner import CaptureClosedError
 from decodegraph.graphs.modes import RuntimeMode
+from decodegraph.layers.linear import ReplicatedLinear
 from decodegraph.sampling_params import SamplingParams
 from tests.utils.checkpoints import make_checkpoint
 from tests.utils.requests import greedy
@@ -441,6 +443,46 @@ def test_inductor_freezing_leaves_kv_caches_and_metadata_live(stories_dir: Path)
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4)
     assert _run(llm, prompts, 24) == _run(eager, prompts, 24)
     assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 23
+
+
+@pytest.mark.parametrize("use_inductor", [False, True], ids=["trace", "inductor"])
+def test_a_bf16_model_takes_the_batch_1_projection_in_a_full_decode_graph(
+    cpu_ops: object, tmp_path: Path, use_inductor: bool
+) -> None:
+    """A bf16 checkpoint whose projections and LM head all hold 64Ki values or more: at
+    batch 1 every one of them calls decodegraph's one-row operator (bf16 in and out),
+    in the eager steps and inside the FULL_DECODE_ONLY graph, traced or compiled, whose
+    greedy ids equal NONE's."""
+    path = make_checkpoint(
+        tmp_path,
+        "qwen2",
+        dtype=torch.bfloat16,
+        hidden_size=256,
+        intermediate_size=512,
+        vocab_size=512,
+    )
+    kwargs: dict[str, object] = {"skip_tokenizer_init": True, "max_model_len": 64}
+    eager = LLM(str(path), enforce_eager=True, **kwargs)
+    model = eager.llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, ReplicatedLinear)]
+    assert len(linears) == 8 and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert all(m.one_row is not None for m in linears) and model.logits_one_row is not None
+    llm = LLM(
+        str(path),
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": [1],
+            "use_inductor": use_inductor,
+        },
+        **kwargs,
+    )
+    if not use_inductor:
+        (graph,) = llm.llm_engine.runner.graph_runner.graphs.values()
+        calls = [n for n in graph.graph_module.graph.nodes if "linear_one_row" in str(n.target)]
+        assert len(calls) == len(linears) + 1  # and the LM head
+    prompts = _prompts("qwen3", 1, (5, 5), seed=21)  # ids under 128: any vocabulary here
+    assert _run(llm, prompts, 12) == _run(eager, prompts, 12)
+    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 11
 
 
 # ---------------------------------------------------------------- CLI

@@ -1,6 +1,7 @@
 """decodegraph's CPU operators split large inputs over torch's intra-op threads: each
 row is computed by exactly one thread, so every split gives the bits of one thread.
-The batch-1 projection is as exact as BLAS's, and the layers use it at batch 1."""
+The batch-1 projection is as exact as BLAS's (float32) and torch.mm's (bfloat16), and
+the layers use it at batch 1, in eager steps and in traced and compiled graphs."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
     qk = wide[:, : 12 * 8].view(2048, 12, 8)
     cos, sin = torch.randn(2048, 8, generator=gen), torch.randn(2048, 8, generator=gen)
     weight, bias = torch.randn(4099, 344, generator=gen), torch.randn(4099, generator=gen)
+    wide16, weight16, bias16 = wide.bfloat16(), weight.bfloat16(), bias.bfloat16()
     return {
         "linear_one_row": lambda: cpu_ops.linear_one_row(wide[:1, :344], weight, bias),
+        "linear_one_row_bf16": lambda: cpu_ops.linear_one_row(wide16[:1, :344], weight16, bias16),
         "silu_and_mul": lambda: cpu_ops.silu_and_mul(wide[:, : 2 * 344]),
         "rms_norm": lambda: cpu_ops.rms_norm(x, w, 1e-5),
         "fused_add_rms_norm": lambda: cpu_ops.fused_add_rms_norm(x, res, w, 1e-5),
@@ -29,7 +32,15 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
 
 
 @pytest.mark.parametrize(
-    "op", ["linear_one_row", "silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_embedding"]
+    "op",
+    [
+        "linear_one_row",
+        "linear_one_row_bf16",
+        "silu_and_mul",
+        "rms_norm",
+        "fused_add_rms_norm",
+        "rotary_embedding",
+    ],
 )
 def test_row_wise_operators_give_the_same_bits_on_any_number_of_threads(
     cpu_ops: object, op: str, restore_threads: None
@@ -65,25 +76,96 @@ def test_the_batch_1_projection_is_as_exact_as_blas(cpu_ops: object, k: int, n: 
     ours = (cpu_ops.linear_one_row(x, w, b).double() - exact).abs().max().item()
     blas = ((torch.addmm(b, x, w.t())).double() - exact).abs().max().item()
     assert ours <= 4 * blas + 1e-5
-    with pytest.raises(RuntimeError, match="linear_one_row"):
-        cpu_ops.linear_one_row(torch.randn(2, k), w, None)  # one row only
 
 
-def test_layers_take_the_batch_1_projection_in_eager_steps_and_in_graphs(cpu_ops: object) -> None:
-    from torch.fx.experimental.proxy_tensor import make_fx
+@pytest.mark.parametrize("k", [1, 7, 16, 40, 344, 4864])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 1001])
+def test_the_bf16_batch_1_projection_is_as_exact_as_torch_mm(
+    cpu_ops: object, k: int, n: int
+) -> None:
+    """bfloat16 x, weight and bias, summed in float32 and rounded once to bfloat16 (the
+    activation's dtype): against a float64 product of the same bf16 values, within half a
+    bf16 step plus the float32 sums' error of every output, and never further from it
+    than torch.mm's bf16 addmm."""
+    gen = torch.Generator().manual_seed(k * 11 + n)
+    x, w, b = (
+        torch.randn(1, k, generator=gen).bfloat16(),
+        torch.randn(n, k, generator=gen).bfloat16(),
+        torch.randn(n, generator=gen).bfloat16(),
+    )
+    exact = x.double() @ w.double().t() + b.double()
+    got = cpu_ops.linear_one_row(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    err = (got.double() - exact).abs()
+    # float32 sums of k + 1 terms: at most (k + 1) units of 2^-24 of the sum of |terms|
+    # (the bf16 products are exact in float32), then one rounding to 8 significant bits.
+    sums = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t() + b.double().abs())
+    _, exponent = torch.frexp(exact.abs() + sums)
+    half_step = torch.pow(2.0, exponent.double() - 9)
+    assert (err <= half_step + sums).all()
+    torch_err = (torch.addmm(b, x, w.t()).double() - exact).abs().max().item()
+    assert err.max().item() <= torch_err + sums.max().item()
+    assert torch.equal(cpu_ops.linear_one_row(x, w, None), cpu_ops.linear_one_row(x, w, b * 0))
 
+
+def test_the_batch_1_projection_refuses_mixed_dtypes_and_more_rows(cpu_ops: object) -> None:
+    w = torch.randn(8, 16)
+    for args in (
+        (torch.randn(2, 16), w, None),  # one row only
+        (torch.randn(1, 16), w.bfloat16(), None),  # x and weight of one dtype
+        (torch.randn(1, 16).bfloat16(), w.bfloat16(), torch.randn(8)),  # and the bias too
+        (torch.randn(1, 16).half(), w.half(), None),  # float32 or bfloat16 only
+    ):
+        with pytest.raises(RuntimeError, match="linear_one_row"):
+            cpu_ops.linear_one_row(*args)
+
+
+def _loaded_layer(dtype: torch.dtype, input_size: int, output_size: int) -> torch.nn.Module:
     from decodegraph.layers.linear import ReplicatedLinear
 
-    layer = ReplicatedLinear(256, 384, bias=True)  # over the size that keeps mm
+    layer = ReplicatedLinear(input_size, output_size, bias=True).to(dtype)
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
     layer.process_weights_after_loading()
-    x1, x2 = torch.randn(1, 256), torch.randn(2, 256)
-    assert torch.allclose(layer(x1), torch.addmm(layer.bias, x1, layer.weight.t()), atol=1e-5)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_take_the_batch_1_projection_in_eager_steps_and_in_graphs(
+    cpu_ops: object, dtype: torch.dtype
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    layer = _loaded_layer(dtype, 256, 384)  # over the size that keeps mm
+    x1, x2 = torch.randn(1, 256, dtype=dtype), torch.randn(2, 256, dtype=dtype)
+    assert torch.equal(layer(x1), cpu_ops.linear_one_row(x1, layer.weight, layer.bias))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(layer(x1), torch.addmm(layer.bias, x1, layer.weight.t()), **tol)
     traced = make_fx(layer)(x1).graph
     assert any("linear_one_row" in str(n.target) for n in traced.nodes)
     assert not any("linear_one_row" in str(n.target) for n in make_fx(layer)(x2).graph.nodes)
-    small = ReplicatedLinear(64, 96)
-    small.process_weights_after_loading()
-    assert small.one_row is None
+    assert _loaded_layer(dtype, 64, 96).one_row is None  # under 64Ki values: mm
+    assert _loaded_layer(torch.float16, 256, 384).one_row is None  # float16: mm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_inductor_graph_calls_the_batch_1_projection_as_an_opaque_operator(
+    cpu_ops: object, dtype: torch.dtype
+) -> None:
+    """With the CPU platform's Inductor options (its C++ wrapper): the compiled code calls
+    the operator itself, with the bits of an eager call, on the weights read at replay."""
+    from torch._inductor.utils import run_and_get_code
+
+    from decodegraph.platforms.cpu import CpuPlatform
+    from decodegraph.platforms.cpu_graph import CpuGraph
+
+    layer = _loaded_layer(dtype, 256, 384)
+    x = torch.randn(1, 256, dtype=dtype)
+    options = CpuPlatform.default_inductor_options
+    graph, code = run_and_get_code(lambda: CpuGraph("g", layer, [x], True, options))
+    assert any("linear_one_row" in c for c in code)
+    x.copy_(torch.randn(1, 256, dtype=dtype))
+    with torch.no_grad():
+        layer.weight.mul_(2)  # read at replay, not baked in
+    assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, layer.weight, layer.bias))

@@ -57,12 +57,16 @@ def test_the_kernels_match_their_references_on_a_narrower_isa(cpu_ops: object, i
 
 _ARM_UNIT = """
 #include "activation.h"
+#include "linear.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
 #include "rotary_embedding.h"
 void touch(float* o, const float* x, const float* w, const decodegraph::paged_attention_step* a,
-           float* work) {
+           float* work, uint16_t* o16, const uint16_t* w16) {
     decodegraph::silu_and_mul_f32(o, x, 2, 64, 128);
+    decodegraph::linear_one_row_f32(o, x, w, w, 0, 7, 64);
+    decodegraph::widen_bf16_pairs(o, w16, 64);
+    decodegraph::linear_one_row_bf16(o16, x, w16, w16, 0, 7, 64);
     decodegraph::rms_norm_f32(o, x, w, 2, 64, 64, 1e-5f);
     decodegraph::fused_add_rms_norm_f32(o, o, x, x, w, 2, 64, 64, 64, 1e-5f);
     decodegraph::rotary_embedding_f32(o, x, w, w, 2, 4, 8, 32, 8, 8);
@@ -76,7 +80,7 @@ void touch(float* o, const float* x, const float* w, const decodegraph::paged_at
 def test_the_kernels_compile_to_neon_with_the_fpcr_flush_for_aarch64(tmp_path: Path) -> None:
     """Where a cross compiler is at hand (apt's g++-aarch64-linux-gnu): the kernels (not
     the torch registration, which needs an aarch64 libtorch) compile for ARM, with NEON
-    multiply-adds and the FPCR.FZ flush."""
+    multiply-adds, bf16 widened by NEON shifts, and the FPCR.FZ flush."""
     unit, obj = tmp_path / "unit.cpp", tmp_path / "unit.o"
     unit.write_text(_ARM_UNIT)
     include = Path(torch.__file__).parent / "include"
@@ -87,4 +91,5 @@ def test_the_kernels_compile_to_neon_with_the_fpcr_flush_for_aarch64(tmp_path: P
         ["aarch64-linux-gnu-objdump", "-d", str(obj)], capture_output=True, text=True, check=True
     ).stdout
     assert re.search(r"fmla\s+v\d+\.4s", asm), "no NEON multiply-add"
+    assert re.search(r"shl\s+v\d+\.4s, v\d+\.4s, #16", asm), "no bf16 widening by shifts"
     assert re.search(r"msr\s+fpcr", asm), "no FPCR write"

@@ -265,27 +265,42 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // Output rows per thread at least: 64 KiB of float32 weights at a hidden size of 1024.
 constexpr int64_t kLinearGrainValues = 16384;
 
+// float32 or bfloat16 throughout (x, weight, bias, and the output, of x's dtype);
+// bfloat16 sums in float32 (csrc/linear.h).
 at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-                    x.dim() == 2 && x.size(0) == 1 && x.stride(1) == 1 && weight.dim() == 2 &&
-                    weight.stride(1) == 1 && weight.size(1) == x.size(1),
-                "linear_one_row: float32 x [1, k] and a row-major weight [n, k]");
+    const auto dtype = x.scalar_type();
+    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                    weight.scalar_type() == dtype && x.dim() == 2 && x.size(0) == 1 &&
+                    x.stride(1) == 1 && weight.dim() == 2 && weight.stride(1) == 1 &&
+                    weight.size(1) == x.size(1),
+                "linear_one_row: x [1, k] and a row-major weight [n, k], both float32 or both "
+                "bfloat16");
     const int64_t n = weight.size(0), k = weight.size(1), ws = weight.stride(0);
     TORCH_CHECK(ws == k, "linear_one_row: the weight's rows must be contiguous");
-    const float* b = nullptr;
-    if (bias.has_value()) {
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                        bias->numel() == n,
-                    "linear_one_row: a contiguous float32 bias [n]");
-        b = bias->data_ptr<float>();
-    }
+    if (bias.has_value())
+        TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
+                    "linear_one_row: a contiguous bias [n] of x's dtype");
     auto out = x.new_empty({1, n});
-    float* y = out.data_ptr<float>();
-    const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
     const int64_t grain = std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
+    if (dtype == at::kFloat) {
+        const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+        float* y = out.data_ptr<float>();
+        const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+        at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+            linear_one_row_f32(y, xp, w, b, begin, end, k);
+        });
+        return out;
+    }
+    const auto bf16 = [](const at::Tensor& t) {
+        return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+    };
+    std::vector<float> xf(k);
+    widen_bf16_pairs(xf.data(), bf16(x), k);
+    const uint16_t *w = bf16(weight), *b = bias.has_value() ? bf16(*bias) : nullptr;
+    auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-        linear_one_row_f32(y, xp, w, b, begin, end, k);
+        linear_one_row_bf16(y, xf.data(), w, b, begin, end, k);
     });
     return out;
 }
