@@ -57,8 +57,8 @@ class CpuPlatform(Platform):
     default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
     # in a process with a cold cache), so few sizes keep a cold start short. No 2: a
-    # batch of 2 padded to the 4-row graph costs little or nothing over its own graph
-    # (a weight-bound step reads the same weights; see README and docs/performance.md).
+    # batch of 2 padded to the 4-row graph costs a little over its own graph, and
+    # nothing where a step is bound by reading the weights (README, docs/performance.md).
     default_capture_sizes: ClassVar[list[int]] = [1, 4, 8]
     # vLLM's CPU defaults for chunked prefill.
     default_max_num_batched_tokens: ClassVar[dict[str, int]] = {
@@ -113,7 +113,9 @@ class CpuPlatform(Platform):
         """Inductor's choice of vector ISA (a compiler run and a child Python per ISA
         feature it checks, in every process) runs in a thread while the model loads."""
         if config.use_inductor:
-            start_vector_isa_probe(skip_base_probe=_inductor_isa_probe_redundant())
+            # Under the options the compiles will use: the process keeps its answer.
+            vec_isa_ok = self.inductor_options(config).get("cpp.vec_isa_ok")
+            start_vector_isa_probe(vec_isa_ok)
 
     def graph_decompositions(self) -> dict:
         return native.decompositions()

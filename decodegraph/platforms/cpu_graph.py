@@ -26,15 +26,15 @@ logger = logging.getLogger(__name__)
 _isa_probe: threading.Thread | None = None
 
 
-def start_vector_isa_probe(skip_base_probe: bool) -> None:
+def start_vector_isa_probe(vec_isa_ok: bool | None) -> None:
     """Run Inductor's vector-ISA choice in a thread of its own, once per process.
 
     Inductor makes it before its first CPU graph: a test library per ISA feature, each
     compiled (cold) and loaded by a child Python (every process), mostly time spent
     waiting on those processes. Started while the model loads, it is done or nearly so
     when the first graph compiles; compile_with_inductor waits for it, so that no two
-    threads patch Inductor's config at once. `skip_base_probe`: our operators' build
-    stands for the base ISA check (CpuPlatform's `cpp.vec_isa_ok`).
+    threads patch Inductor's config at once. `vec_isa_ok`: Inductor's `cpp.vec_isa_ok`
+    as the compiles will set it (the process keeps the probe's answer).
     """
     global _isa_probe
     if _isa_probe is not None:
@@ -45,7 +45,7 @@ def start_vector_isa_probe(skip_base_probe: bool) -> None:
             import torch._inductor.config as inductor_config
             from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-            with inductor_config.patch({"cpp.vec_isa_ok": True} if skip_base_probe else {}):
+            with inductor_config.patch({"cpp.vec_isa_ok": vec_isa_ok}):
                 pick_vec_isa()  # cached for the process: the compiles reuse its answer
         except Exception as e:  # noqa: BLE001 - the compile will probe for itself
             logger.debug("early vector-ISA probe failed: %s", e)
@@ -104,12 +104,17 @@ def compile_with_inductor(
     key = cpu_graph_cache.graph_key(gm, node_meta, args, options)
     cached = cpu_graph_cache.load(key, options)
     if cached is not None:
-        with torch.no_grad():
-            got = cached(list(args))
+        try:
+            with torch.no_grad():
+                got = cached(list(args))
+        except Exception as e:  # noqa: BLE001 - a module that fails is a miss
+            logger.warning("compiled-graph entry %s failed (%s); compiling afresh", key, e)
+            got = None
         if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
             logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
             return lambda *xs: pytree.tree_unflatten(cached([*xs, *constants]), spec)
-        logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
+        elif got is not None:
+            logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing

@@ -28,7 +28,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when what an entry holds or how the key is made changes.
-_VERSION = 1
+_VERSION = 2
 _DIR_NAME = "decodegraph_graphs"
 
 
@@ -44,21 +44,37 @@ def graph_key(
     taken before compile_with_inductor strips it."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     with inductor_config.patch(options):
-        inductor = inductor_config.save_config_portable()
+        inductor = _portable(inductor_config)
+        isa = pick_vec_isa()  # what the kernels were generated and built for
+    functorch = _portable(functorch_config)
     parts = [
         f"v{_VERSION}",
         torch.__version__,
         str(torch.version.git_version),
         torch.backends.cpu.get_cpu_capability(),
+        f"{isa} {isa.build_arch_flags() if isa else ''}",
+        # Inductor writes the intra-op thread count into its kernels' parallel loops.
+        str(torch.get_num_threads()),
+        str(torch.get_default_dtype()),
+        str(torch.are_deterministic_algorithms_enabled()),
         repr(sorted(inductor.items(), key=lambda kv: kv[0])),
-        repr(sorted(functorch_config.save_config_portable().items(), key=lambda kv: kv[0])),
+        repr(sorted(functorch.items(), key=lambda kv: kv[0])),
         gm.code,
         repr(list(node_meta)),
         repr([_tensor_layout(a) for a in args]),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _portable(config: object) -> dict[str, object]:
+    """A config module's settings, its private ones included where torch can say them."""
+    try:
+        return config.save_config_portable(ignore_private_configs=False)
+    except TypeError:  # an older torch: public settings only
+        return config.save_config_portable()
 
 
 def node_metadata(gm: torch.fx.GraphModule) -> list[object]:

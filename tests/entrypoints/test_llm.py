@@ -197,7 +197,7 @@ def test_prompt_longer_than_max_model_len_fails_with_clear_error_and_engine_serv
         ("max_tokens", {"max_tokens": 0}),
         ("min_tokens", {"min_tokens": 8, "max_tokens": 4}),
         ("n", {"n": 0}),
-        ("logprobs", {"logprobs": -2}),  # a count past max_logprobs: the engine says so
+        ("logprobs", {"logprobs": -2}),  # below -1 (a count past max_logprobs: the engine's)
         ("stop", {"stop": [""]}),
         ("seed", {"seed": 1.5}),
     ],

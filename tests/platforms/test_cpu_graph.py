@@ -226,8 +226,8 @@ def test_the_first_compile_waits_for_the_early_vector_isa_probe(
     monkeypatch.setattr(cpu_graph, "_isa_probe", None)
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", slow_pick)
     monkeypatch.setattr(cpu_graph.cpu_graph_cache, "node_metadata", recording)
-    cpu_graph.start_vector_isa_probe(skip_base_probe=True)
-    cpu_graph.start_vector_isa_probe(skip_base_probe=True)  # once per process
+    cpu_graph.start_vector_isa_probe(True)
+    cpu_graph.start_vector_isa_probe(True)  # once per process
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     graph = CpuGraph("g", _affine, [x, w], use_inductor=True)
     assert seen == [True]
@@ -250,3 +250,54 @@ def test_start_up_probes_the_vector_isa_early_only_where_graphs_are_compiled(
     )
     assert bool(calls) is starts
     del llm
+
+
+def test_the_graph_index_key_changes_with_the_thread_count() -> None:
+    """Inductor writes the intra-op thread count into its kernels' parallel loops."""
+    from decodegraph.platforms import cpu_graph_cache
+    from decodegraph.platforms.base import trace
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    gm = trace(_affine, [x, w])
+    meta = cpu_graph_cache.node_metadata(gm)
+    threads = torch.get_num_threads()
+    try:
+        keys = set()
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            keys.add(cpu_graph_cache.graph_key(gm, meta, [x, w], {}))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(keys) == 2
+
+
+def test_a_cached_module_that_fails_is_a_miss_not_a_failed_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from decodegraph.platforms import cpu_graph
+
+    def broken(args: list) -> list:
+        raise RuntimeError("stale module")
+
+    monkeypatch.setattr(cpu_graph.cpu_graph_cache, "load", lambda key, options: broken)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph = CpuGraph("g", _affine, [x, w], use_inductor=True)
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+
+
+@pytest.mark.parametrize("user", [{}, {"cpp.vec_isa_ok": None}, {"cpp.vec_isa_ok": False}])
+def test_the_early_probe_runs_under_the_options_the_compiles_use(
+    monkeypatch: pytest.MonkeyPatch, user: dict
+) -> None:
+    """The process keeps the probe's answer: it must be asked as the compiles would."""
+    from decodegraph.config import CompilationConfig
+    from decodegraph.platforms import cpu
+
+    asked: list[object] = []
+    monkeypatch.setattr(cpu, "start_vector_isa_probe", asked.append)
+    config = CompilationConfig(inductor_compile_config=user)
+    platform = cpu.CpuPlatform()
+    platform.prepare_graph_compile(config)
+    assert asked == [platform.inductor_options(config).get("cpp.vec_isa_ok")]
+    if user:
+        assert asked == [user["cpp.vec_isa_ok"]]

@@ -349,8 +349,9 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
-    # Once, in the first chunk after the role's (vLLM refuses prompt_logprobs with stream).
-    prompt_logprobs: PromptLogprobs | None = None
+    # Once, in the first chunk after the role's (vLLM refuses prompt_logprobs with stream);
+    # absent from the others, whose fields are otherwise vLLM's.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 # --- /v1/models --------------------------------------------------------------------------

@@ -262,7 +262,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     return out;
 }
 
-// Output rows per thread at least: 64 KiB of float32 weights at a hidden size of 1024.
+// Weight values per thread at least (64 KiB of float32 or 32 KiB of bfloat16 weights),
+// so that a thread has a few rows even at a hidden size of 4096.
 constexpr int64_t kLinearGrainValues = 16384;
 
 // float32 or bfloat16 throughout (x, weight, bias, and the output, of x's dtype);

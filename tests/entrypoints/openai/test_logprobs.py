@@ -381,8 +381,9 @@ def test_streamed_prompt_logprobs_come_once_in_the_first_chunk_with_output(
     assert carrying == [1], carrying  # chunk 0 is the role's, sent before any output
     assert chunks[1].model_extra["prompt_logprobs"] == plain.model_extra["prompt_logprobs"]
     assert chunks[1].choices[0].delta.content  # with the first token's text
+    assert all("prompt_logprobs" not in c.model_extra for k, c in enumerate(chunks) if k != 1)
     without = client.chat.completions.create(**chat, stream=True)
-    assert all(c.model_extra.get("prompt_logprobs") is None for c in without)
+    assert all("prompt_logprobs" not in c.model_extra for c in without)  # as vLLM's chunks
 
     kwargs = {"model": MODEL_NAME, "prompt": [PROMPT, "The cat"], "max_tokens": 3, "n": 2}
     whole = client.completions.create(**kwargs, temperature=0.0, extra_body={"prompt_logprobs": 1})

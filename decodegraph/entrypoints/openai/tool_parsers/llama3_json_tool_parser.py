@@ -34,7 +34,8 @@ class Llama3JsonToolParser(ToolParser):
                 if pos >= len(text):
                     break
                 obj, pos = _DECODER.raw_decode(text, pos)
-                arguments = obj.get("arguments", obj.get("parameters", {}))
+                # The first of the two keys written, as stream_calls takes it.
+                arguments = next((obj[k] for k in obj if k in ("arguments", "parameters")), {})
                 calls.append(
                     ToolCall(
                         function=FunctionCall(

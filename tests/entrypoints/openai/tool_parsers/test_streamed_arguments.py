@@ -141,3 +141,12 @@ def test_every_prefix_normalizes_to_a_prefix_of_the_whole(arguments: str) -> Non
     for n in range(len(arguments)):
         part, complete = normalized_prefix(arguments[:n], final=False)
         assert whole.startswith(part) and not complete, (arguments[:n], part)
+
+
+@pytest.mark.parametrize("first", ["parameters", "arguments"])
+def test_llama3_takes_the_first_arguments_key_written_streamed_or_not(first: str) -> None:
+    other = "arguments" if first == "parameters" else "parameters"
+    text = f'{{"name": "get_time", "{first}": {{"a": 1}}, "{other}": {{"b": 2}}}}'
+    plain = get_tool_parser("llama3_json")().extract_tool_calls(text)
+    _, calls, _ = _stream("llama3_json", list(text))
+    assert plain.tool_calls[0].function.arguments == calls[0]["arguments"] == '{"a": 1}'
