@@ -102,19 +102,10 @@ def compile_with_inductor(
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     spec = pytree.tree_flatten(output.args[0])[1]
     key = cpu_graph_cache.graph_key(gm, node_meta, args, options)
-    cached = cpu_graph_cache.load(key, options)
+    cached = _load_indexed(key, args, spec, options)
     if cached is not None:
-        try:
-            with torch.no_grad():
-                got = cached(list(args))
-        except Exception as e:  # noqa: BLE001 - a module that fails is a miss
-            logger.warning("compiled-graph entry %s failed (%s); compiling afresh", key, e)
-            got = None
-        if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
-            logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-            return lambda *xs: pytree.tree_unflatten(cached([*xs, *constants]), spec)
-        elif got is not None:
-            logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
+        logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
+        return _flat_call(cached, constants, spec)
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
@@ -139,7 +130,7 @@ def compile_with_inductor(
     # call of Inductor's function; the FX graph cache below it still spares the lowering.
     with (
         torch.no_grad(),
-        inductor_config.patch(options or {}),
+        inductor_config.patch(options),
         functorch_config.patch(enable_autograd_cache=False),
         tracing(TracingContext(fake_mode)),
     ):
@@ -159,9 +150,37 @@ def compile_with_inductor(
                 if isinstance(module_key, str) and fast is not inner[0]:
                     cpu_graph_cache.save(key, module_key)
                 logger.debug("graph of %d inputs: calling Inductor's function directly", len(args))
-                return lambda *xs: pytree.tree_unflatten(fast([*xs, *constants]), spec)
+                return _flat_call(fast, constants, spec)
     logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
     return lambda *xs: wrapped(*xs, *constants)
+
+
+def _flat_call(
+    fn: Callable[[list], list], constants: list[torch.Tensor], spec: pytree.TreeSpec
+) -> Callable[..., object]:
+    """`fn` (Inductor's function of one flat list) as a callable of the graph's inputs,
+    returning what the graph returns."""
+    return lambda *xs: pytree.tree_unflatten(fn([*xs, *constants]), spec)
+
+
+def _load_indexed(
+    key: str, args: list[torch.Tensor], spec: pytree.TreeSpec, options: dict[str, object]
+) -> Callable[[list], list] | None:
+    """The module the index holds for `key`, once it has run over `args` and returned
+    what the graph returns; None (a miss) where there is none or it fails."""
+    cached = cpu_graph_cache.load(key, options)
+    if cached is None:
+        return None
+    try:
+        with torch.no_grad():
+            got = cached(list(args))
+    except Exception as e:  # noqa: BLE001 - a module that fails is a miss
+        logger.warning("compiled-graph entry %s failed (%s); compiling afresh", key, e)
+        return None
+    if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
+        return cached
+    logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
+    return None
 
 
 def _calls_c10d(gm: torch.fx.GraphModule) -> bool:
