@@ -5,8 +5,9 @@ cold run has an empty Inductor cache directory (TORCHINDUCTOR_CACHE_DIR, a new t
 directory per round), a warm run the directory its cold run filled. The phases are the
 engine's own ("Engine ready in ... (load, profile, KV cache, capture)" in its start-up
 log line); "import" is importing decodegraph, "engine" building the engine (the phases,
-the tokenizer and the rest), "first token" the generate call after start-up. Rounds alternate cold
-and warm; the table shows medians.
+the tokenizer and the rest), "first token" the generate call after start-up, and "ready"
+the time from launching the process to its first token (the total less the interpreter's
+exit). Rounds alternate cold and warm; the table shows medians.
 
     .venv/bin/python benchmarks/bench_startup.py                     # stories260K, demo
     .venv/bin/python benchmarks/bench_startup.py --cases qwen2.5-0.5b-shape --rounds 1
@@ -66,7 +67,7 @@ QWEN2_5_0_5B = {
 }
 
 _CHILD = """
-import json, logging, sys, time
+import json, logging, os, sys, time
 t0 = time.perf_counter()
 logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
 from decodegraph.entrypoints.llm import LLM
@@ -76,7 +77,10 @@ llm = LLM(**json.loads(sys.argv[1]))
 t2 = time.perf_counter()
 llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
 t3 = time.perf_counter()
-print("RESULT " + json.dumps({"import": t1 - t0, "engine": t2 - t1, "first token": t3 - t2}))
+launched = float(os.environ["BENCH_LAUNCHED_AT"])
+print("RESULT " + json.dumps({
+    "import": t1 - t0, "engine": t2 - t1, "first token": t3 - t2, "ready": time.time() - launched
+}))
 """
 
 
@@ -108,6 +112,7 @@ def _run(command: list[str], cache_dir: str, tree: Path, xdg: Path) -> dict[str,
     }
     start = time.perf_counter()
     cpu_before = _children_cpu()
+    env["BENCH_LAUNCHED_AT"] = repr(time.time())
     proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
@@ -204,7 +209,7 @@ def main() -> int:
                         )
 
     columns = [
-        "total", "cpu", "import", "engine", "load", "profile", "KV cache", "capture", "first token"
+        "total", "ready", "cpu", "import", "engine", "load", "profile", "KV cache", "capture", "first token"
     ]  # fmt: skip
     print(f"\nmedians of {args.rounds} round(s), seconds (cpu: CPU seconds, compilers included)")
     width = max(22, *(len(label) + 2 for label in results))

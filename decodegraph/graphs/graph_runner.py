@@ -159,6 +159,9 @@ class GraphRunner:
         try:
             for mode, key in tqdm(keys, desc="Capturing graphs", disable=not keys, leave=False):
                 self.capture(mode, key, model, prepare_dummy)
+            # In capture order on every rank: finishing runs a graph, collectives and all.
+            for graph in self.graphs.values():
+                graph.finish()
         finally:
             gc.unfreeze()
         self.closed = True

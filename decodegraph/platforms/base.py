@@ -84,6 +84,11 @@ class DeviceGraph:
                 f"graph {self.name}: inputs {bad} do not have their capture-time shapes and strides"
             )
 
+    def finish(self) -> None:
+        """Wait for whatever making the graph left running (a CPU graph's C++ build),
+        and run it once where that was put off. The graph runner calls it on every
+        graph after capturing them all; a replay before it waits as well."""
+
     def replay(self) -> Any:
         self.num_replays += 1
         return self._run()
@@ -160,7 +165,10 @@ class Platform:
         `weak_outputs`: the caller reads a replay's outputs before any graph replays
         again, so a platform whose outputs live in the pool may hold them without owning
         their memory, for later captures to reuse (vLLM's weak_ref_tensors): otherwise
-        every size's logits stay allocated side by side."""
+        every size's logits stay allocated side by side.
+
+        The graph may still be building when this returns: its `finish()` waits (the
+        graph runner calls it on every graph once all are made)."""
         raise NotImplementedError(f"platform {self.name} cannot capture graphs")
 
     def make_piece(

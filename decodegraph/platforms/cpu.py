@@ -136,7 +136,8 @@ class CpuPlatform(Platform):
         config: CompilationConfig,
         weak_outputs: bool = False,
     ) -> DeviceGraph:
-        # A CPU graph's outputs are new tensors at every replay: nothing to share.
+        # A CPU graph's outputs are new tensors at every replay: nothing to share. Its
+        # C++ builds in the background, while the graph runner compiles the next size.
         return CpuGraph(
             name,
             fn,
@@ -144,6 +145,7 @@ class CpuPlatform(Platform):
             config.use_inductor,
             self.inductor_options(config),
             self.graph_decompositions(),
+            defer=True,
         )
 
     def make_piece(

@@ -8,9 +8,12 @@ become trailing inputs of the compiled function, never copies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -64,8 +67,24 @@ def compile_with_inductor(
     inputs: Sequence[torch.Tensor],
     options: dict[str, object] | None = None,
 ) -> Callable[..., object]:
+    """Compile a traced graph with Inductor: `start_inductor_compile` and wait for it."""
+    return start_inductor_compile(gm, inputs, options)()
+
+
+def start_inductor_compile(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    options: dict[str, object] | None = None,
+) -> Callable[[], Callable[..., object]]:
     """Compile a traced graph with Inductor (no dynamo front end involved) into a
-    callable of the same inputs, returning what the graph returns.
+    callable of the same inputs, returning what the graph returns. Returns a function
+    that waits for the compile's C++ build and gives that callable.
+
+    Inductor's work in Python is done when this returns; the C++ compiler runs for it in
+    a thread meanwhile (its compiles are other processes), so that a caller with several
+    graphs to compile lowers the next while the compiler builds the last, and waits for
+    them all at the end. The process's first C++ module (the wrapper's precompiled
+    header, the vector-ISA choice) is still made here.
 
     The tensors the graph reads as attributes (weights, rotary tables) become trailing
     inputs, so that Inductor's own compiled function can be called with one flat list,
@@ -83,7 +102,8 @@ def compile_with_inductor(
     static, so there are no guards to keep. A graph traced the same way before, whose
     module is still in Inductor's cache, skips the compile altogether (cpu_graph_cache).
 
-    The callable returned has run once over `inputs` (a smoke test and warm-up).
+    The callable has run once over `inputs` (a smoke test and warm-up) by the time the
+    waiting function gives it.
     """
     _wait_for_isa_probe()
     node_meta = cpu_graph_cache.node_metadata(gm)
@@ -105,7 +125,8 @@ def compile_with_inductor(
     cached = _load_indexed(key, args, spec, options)
     if cached is not None:
         logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        return _flat_call(cached, constants, spec)
+        hit = _flat_call(cached, constants, spec)
+        return lambda: hit
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
@@ -133,26 +154,85 @@ def compile_with_inductor(
         inductor_config.patch(options),
         functorch_config.patch(enable_autograd_cache=False),
         tracing(TracingContext(fake_mode)),
+        _cpp_builds_in_background(),
     ):
         wrapped = compile_fx(gm, fake_args, inner_compile=capture_inner)
-    with torch.no_grad():
-        expected = pytree.tree_leaves(wrapped(*args))
-        if len(inner) == 1 and len(expected) == spec.num_leaves:
-            got = inner[0](list(args))
-            if len(got) == len(expected) and all(
-                isinstance(a, torch.Tensor) and torch.equal(a, b)
-                for a, b in zip(got, expected, strict=True)
-            ):
-                # After its first call, the compiled graph's own callable (the wrapper
-                # around it only records metrics and closes compile-time caches).
-                fast = getattr(inner[0], "current_callable", None) or inner[0]
-                module_key = getattr(inner[0], "cache_key", None)
-                if isinstance(module_key, str) and fast is not inner[0]:
-                    cpu_graph_cache.save(key, module_key)
-                logger.debug("graph of %d inputs: calling Inductor's function directly", len(args))
-                return _flat_call(fast, constants, spec)
-    logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
-    return lambda *xs: wrapped(*xs, *constants)
+
+    def finish() -> Callable[..., object]:
+        with torch.no_grad():
+            expected = pytree.tree_leaves(wrapped(*args))  # waits for the build
+            if len(inner) == 1 and len(expected) == spec.num_leaves:
+                got = inner[0](list(args))
+                if len(got) == len(expected) and all(
+                    isinstance(a, torch.Tensor) and torch.equal(a, b)
+                    for a, b in zip(got, expected, strict=True)
+                ):
+                    # After its first call, the compiled graph's own callable (the wrapper
+                    # around it only records metrics and closes compile-time caches).
+                    fast = getattr(inner[0], "current_callable", None) or inner[0]
+                    module_key = getattr(inner[0], "cache_key", None)
+                    if isinstance(module_key, str) and fast is not inner[0]:
+                        cpu_graph_cache.save(key, module_key)
+                    logger.debug(
+                        "graph of %d inputs: calling Inductor's function directly", len(args)
+                    )
+                    return _flat_call(fast, constants, spec)
+        logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
+        return lambda *xs: wrapped(*xs, *constants)
+
+    return _once(finish)
+
+
+def _once(fn: Callable[[], Callable[..., object]]) -> Callable[[], Callable[..., object]]:
+    """`fn`, run on the first call only; later calls give its first result."""
+    result: list[Callable[..., object]] = []
+
+    def call() -> Callable[..., object]:
+        if not result:
+            result.append(fn())
+        return result[0]
+
+    return call
+
+
+# The thread that runs Inductor's C++ builds for start_inductor_compile.
+_build_pool: ThreadPoolExecutor | None = None
+
+
+@contextlib.contextmanager
+def _cpp_builds_in_background() -> Iterator[None]:
+    """While active, a C++ wrapper module that Inductor loads submits its compiler runs
+    to a build thread and gets an entry function that waits for them on its first call,
+    instead of building before it loads. A library built already loads on that call too."""
+    global _build_pool
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    if _build_pool is None:
+        workers = os.cpu_count() or 1
+        _build_pool = ThreadPoolExecutor(workers, thread_name_prefix="decodegraph-c++")
+    submit = _build_pool.submit
+
+    def load_pybinding(cls: type, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+        load = cls.load_pybinding_async(*args, submit_fn=submit, **kwargs)
+        entry: list[Callable[[Any], Any]] = []
+
+        def call(handles: Any) -> Any:
+            if not entry:
+                entry.append(load())
+            return entry[0](handles)
+
+        return call
+
+    own = "load_pybinding" in CppWrapperCodeCache.__dict__
+    original = CppWrapperCodeCache.__dict__.get("load_pybinding")
+    CppWrapperCodeCache.load_pybinding = classmethod(load_pybinding)  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        if own:
+            CppWrapperCodeCache.load_pybinding = original  # type: ignore[method-assign]
+        else:
+            del CppWrapperCodeCache.load_pybinding
 
 
 def _flat_call(
@@ -235,19 +315,31 @@ class CpuGraph(DeviceGraph):
         use_inductor: bool,
         inductor_options: dict[str, object] | None = None,
         decompositions: dict | None = None,
+        defer: bool = False,
     ) -> None:
         super().__init__(name, inputs)
         self.graph_module = trace(fn, inputs, decompositions)
         output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
         # A compiled graph returns a list even for one tensor; give back what fn returns.
         self._single_output = not isinstance(output.args[0], (tuple, list))
+        self._pending: Callable[[], Callable[..., object]] | None = None
         if use_inductor:
-            # Runs the compiled graph once: a failure shows at start-up.
-            self._callable = compile_with_inductor(self.graph_module, inputs, inductor_options)
+            # With `defer`, its C++ builds while the caller compiles the next graph;
+            # finish() waits for it and runs it once, so a failure still shows at start-up.
+            self._pending = start_inductor_compile(self.graph_module, inputs, inductor_options)
+            if not defer:
+                self.finish()
         else:
             self._callable = self.graph_module
             self._run()  # one run now, so a failure shows at start-up
 
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._callable = self._pending()
+            self._pending = None
+
     def _run(self) -> Any:
+        if self._pending is not None:
+            self.finish()
         out = self._callable(*self.inputs)
         return out[0] if self._single_output and isinstance(out, (list, tuple)) else out

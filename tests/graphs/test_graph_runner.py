@@ -19,7 +19,7 @@ from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.platforms.base import InputAddressError
 from decodegraph.worker.input_buffers import PersistentBuffer
 from tests.utils.kv import changed_slots
-from tests.utils.platforms import StaticGraphPlatform, registered_platform
+from tests.utils.platforms import StaticGraph, StaticGraphPlatform, registered_platform
 from tests.utils.requests import greedy
 
 GREEDY = greedy(24)
@@ -103,6 +103,28 @@ def test_capture_freezes_the_garbage_collector_during_capture_only(
     _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2])
     assert len(frozen) == 2 and all(count > 0 for count in frozen)
     assert gc.get_freeze_count() == before
+
+
+def test_capture_finishes_every_graph_once_all_are_made_in_capture_order(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A platform may leave a graph building (the CPU's C++ compiler runs while the next
+    size is lowered); capture waits for each before it returns, in the order made, which
+    is the same on every rank."""
+    events: list[tuple[str, str]] = []
+    make_graph = StaticGraphPlatform.make_graph
+
+    def made(self: StaticGraphPlatform, name: str, *args: object, **kwargs: object) -> object:
+        events.append(("make", name))
+        return make_graph(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(StaticGraphPlatform, "make_graph", made)
+    monkeypatch.setattr(StaticGraph, "finish", lambda self: events.append(("finish", self.name)))
+    with registered_platform(StaticGraphPlatform) as device:
+        _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4], device=device)
+    names = [name for event, name in events if event == "make"]
+    assert len(names) == 3
+    assert events == [("make", n) for n in names] + [("finish", n) for n in names]
 
 
 def test_a_late_capture_raises(stories_dir: Path) -> None:

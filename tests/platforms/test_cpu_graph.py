@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from decodegraph.platforms.base import InputAddressError
+from decodegraph.platforms.cpu import CpuPlatform
 from decodegraph.platforms.cpu_graph import CpuGraph
 
 
@@ -301,3 +302,62 @@ def test_the_early_probe_runs_under_the_options_the_compiles_use(
     assert asked == [platform.inductor_options(config).get("cpp.vec_isa_ok")]
     if user:
         assert asked == [user["cpp.vec_isa_ok"]]
+
+
+# The platform's options: its graphs are C++ wrapper modules, which `defer` is about.
+_CPP_WRAPPER = CpuPlatform.default_inductor_options
+
+
+def test_deferred_graphs_build_their_cpp_in_the_background_and_finish_on_demand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `defer`, the constructor returns once Inductor has written the code; the C++
+    compiler runs for it on the build thread, and finish() (or a first replay) waits for
+    it and runs the graph. Graphs made one after the other all come out right."""
+    import threading
+
+    from torch._inductor import cpp_builder
+    from torch._inductor.utils import fresh_cache
+
+    threads: list[str] = []
+    run = cpp_builder.run_compile_cmd
+
+    def recorded(cmd_line: str, cwd: str) -> None:
+        if ".main.cpp" in cmd_line or ".optimized.cpp" in cmd_line:  # not the headers
+            threads.append(threading.current_thread().name)
+        run(cmd_line, cwd)
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", recorded)
+    sizes = (3, 5)
+    inputs = {n: [torch.randn(n, 8), torch.randn(8, 8)] for n in sizes}
+    with fresh_cache():
+        graphs = {
+            n: CpuGraph("g", _affine, inputs[n], True, _CPP_WRAPPER, defer=True) for n in sizes
+        }
+        graphs[sizes[0]].finish()
+        torch.testing.assert_close(graphs[sizes[0]].replay(), _affine(*inputs[sizes[0]]))
+        # Not finished by hand: the first replay waits for the build.
+        torch.testing.assert_close(graphs[sizes[1]].replay(), _affine(*inputs[sizes[1]]))
+    assert len(threads) == 2 * len(sizes)  # wrapper and kernels, each graph
+    assert all(name.startswith("decodegraph-c++") for name in threads)
+
+
+def test_a_graph_made_without_defer_is_built_and_run_before_the_constructor_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._inductor.codecache import CppWrapperCodeCache
+    from torch._inductor.utils import fresh_cache
+
+    loads: list[int] = []
+    load_async = CppWrapperCodeCache.load_async.__func__
+
+    def counted(cls: type, *args: object, **kwargs: object) -> object:
+        load = load_async(cls, *args, **kwargs)
+        return lambda: loads.append(1) or load()
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_async", classmethod(counted))
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        graph = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
+        assert loads  # the library was loaded (built) inside the constructor
+    torch.testing.assert_close(graph.replay(), _affine(x, w))

@@ -390,7 +390,7 @@ def test_cpu_graphs_build_the_wrapper_at_o1_and_the_kernels_at_o3_apart(
     platform, x = CpuPlatform(), torch.randn(4, 8)
     with fresh_cache():
         graph = platform.make_graph("g", lambda x: (torch.relu(x) + 1,), [x], CompilationConfig())
-    torch.testing.assert_close(graph.replay()[0], torch.relu(x) + 1)
+        torch.testing.assert_close(graph.replay()[0], torch.relu(x) + 1)
     wrapper = [c for c in commands if ".main.cpp" in c]
     kernels = [c for c in commands if ".optimized.cpp" in c]
     assert len(wrapper) == 1 and " -O1 " in wrapper[0] and " -O3 " not in wrapper[0]
