@@ -125,7 +125,7 @@ def start_inductor_compile(
     cached = _load_indexed(key, args, spec, options)
     if cached is not None:
         logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        hit = _flat_call(cached, constants, spec)
+        hit = _flat_call(cached, constants, spec, _all_tensors(args))
         return lambda: hit
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -176,7 +176,7 @@ def start_inductor_compile(
                     logger.debug(
                         "graph of %d inputs: calling Inductor's function directly", len(args)
                     )
-                    return _flat_call(fast, constants, spec)
+                    return _flat_call(fast, constants, spec, _all_tensors(args))
         logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
         return lambda *xs: wrapped(*xs, *constants)
 
@@ -212,16 +212,8 @@ def _cpp_builds_in_background() -> Iterator[None]:
         _build_pool = ThreadPoolExecutor(workers, thread_name_prefix="decodegraph-c++")
     submit = _build_pool.submit
 
-    def load_pybinding(cls: type, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
-        load = cls.load_pybinding_async(*args, submit_fn=submit, **kwargs)
-        entry: list[Callable[[Any], Any]] = []
-
-        def call(handles: Any) -> Any:
-            if not entry:
-                entry.append(load())
-            return entry[0](handles)
-
-        return call
+    def load_pybinding(cls: type, *args: Any, **kwargs: Any) -> _PendingEntry:
+        return _PendingEntry(cls.load_pybinding_async(*args, submit_fn=submit, **kwargs))
 
     own = "load_pybinding" in CppWrapperCodeCache.__dict__
     original = CppWrapperCodeCache.__dict__.get("load_pybinding")
@@ -235,12 +227,57 @@ def _cpp_builds_in_background() -> Iterator[None]:
             del CppWrapperCodeCache.load_pybinding
 
 
+class _PendingEntry:
+    """A C++ wrapper module's entry function while its library builds: the first call
+    waits for the build and loads the library."""
+
+    __slots__ = ("_entry", "_load")
+
+    def __init__(self, load: Callable[[], Callable[[Any], Any]]) -> None:
+        self._load = load
+        self._entry: Callable[[Any], Any] | None = None
+
+    def resolve(self) -> Callable[[Any], Any]:
+        if self._entry is None:
+            self._entry = self._load()
+        return self._entry
+
+    def __call__(self, handles: Any) -> Any:
+        return self.resolve()(handles)
+
+
+def _all_tensors(args: Sequence[object]) -> bool:
+    return all(isinstance(a, torch.Tensor) for a in args)
+
+
 def _flat_call(
-    fn: Callable[[list], list], constants: list[torch.Tensor], spec: pytree.TreeSpec
+    fn: Callable[[list], list],
+    constants: list[torch.Tensor],
+    spec: pytree.TreeSpec,
+    tensor_inputs: bool,
 ) -> Callable[..., object]:
     """`fn` (Inductor's function of one flat list) as a callable of the graph's inputs,
-    returning what the graph returns."""
-    return lambda *xs: pytree.tree_unflatten(fn([*xs, *constants]), spec)
+    returning what the graph returns; straight into its C++ entry where every input is a
+    tensor (`tensor_inputs`, as they were at the compile)."""
+    direct = _entry_call(fn) if tensor_inputs else fn
+    return lambda *xs: pytree.tree_unflatten(direct([*xs, *constants]), spec)
+
+
+def _entry_call(call: Callable[[list], list]) -> Callable[[list], list]:
+    """Inductor's `call` of a C++ wrapper module without its Python loop: that makes a
+    tensor of every input that is not one, a handle of each, and hands the handles to
+    the module's C++ entry; a graph's inputs are all tensors, so the handles are made
+    in one call. For any other module (Inductor's Python wrapper), `call` itself."""
+    namespace = getattr(call, "__globals__", {})
+    entry = namespace.get("inductor_entry")
+    aoti = getattr(torch._C, "_aoti", None)
+    to_handles = getattr(aoti, "unsafe_alloc_void_ptrs_from_tensors", None)
+    from_handles = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
+    if namespace.get("call") is not call or entry is None or not (to_handles and from_handles):
+        return call
+    if isinstance(entry, _PendingEntry):
+        entry = entry.resolve()
+    return lambda args: from_handles(entry(to_handles(args)))
 
 
 def _load_indexed(

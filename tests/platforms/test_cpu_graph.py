@@ -361,3 +361,45 @@ def test_a_graph_made_without_defer_is_built_and_run_before_the_constructor_retu
         graph = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
         assert loads  # the library was loaded (built) inside the constructor
     torch.testing.assert_close(graph.replay(), _affine(x, w))
+
+
+def test_a_cpp_wrapper_graph_is_called_through_its_entry_and_gives_the_modules_outputs() -> None:
+    """The module's Python `call` (a tensor for every non-tensor input, a handle for
+    each) is skipped: the graph hands its tensors' handles to the C++ entry at once."""
+    import sys
+
+    from torch._inductor.utils import fresh_cache
+
+    from decodegraph.platforms import cpu_graph
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        graph = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
+        modules = [m for m in list(sys.modules.values()) if hasattr(m, "inductor_entry")]
+    module = modules[-1]
+    call = module.call
+    direct = cpu_graph._entry_call(call)
+    assert direct is not call
+    torch.testing.assert_close(direct([x, w])[0], call([x, w])[0])
+    x.copy_(torch.randn(4, 8))
+    codes: list[object] = []
+    sys.setprofile(lambda frame, event, _: codes.append(frame.f_code) if event == "call" else None)
+    try:
+        out = graph.replay()
+    finally:
+        sys.setprofile(None)
+    torch.testing.assert_close(out, _affine(x, w))
+    assert not [c for c in codes if c.co_filename == module.__file__]  # no frame of the module
+
+
+def test_a_python_wrapper_graph_is_called_through_its_modules_call() -> None:
+    from torch._inductor.utils import fresh_cache
+
+    from decodegraph.platforms import cpu_graph
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        graph = CpuGraph("g", _affine, [x, w], True, {"cpp_wrapper": False})
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+    not_a_module = lambda args: args  # noqa: E731 - a plain function, no entry beside it
+    assert cpu_graph._entry_call(not_a_module) is not_a_module
