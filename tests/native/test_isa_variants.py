@@ -8,13 +8,14 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from decodegraph import native
-from tests.utils.native import KERNEL_SELECTOR, KERNEL_TESTS, pytest_with_isa
+from tests.utils.native import KERNEL_SELECTOR, KERNEL_TESTS, start_pytest_with_isa
 
 
 def test_the_operators_are_built_for_the_requested_isa(cpu_ops: object) -> None:
@@ -47,12 +48,37 @@ def test_each_isa_builds_with_its_at_vec_capability_macro() -> None:
 NARROWER = [isa for isa in native.available_isas()[1:] if not os.environ.get("DECODEGRAPH_CPU_ISA")]
 
 
-@pytest.mark.parametrize("isa", NARROWER)
-def test_the_kernels_match_their_references_on_a_narrower_isa(cpu_ops: object, isa: str) -> None:
+@pytest.fixture(scope="module")
+def narrower_isa_runs(
+    cpu_ops: object, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """Every narrower ISA's child, all started at once: each first builds its operators
+    (one compiler process), so the builds run side by side on the machine's cores."""
     files = (*KERNEL_TESTS, "tests/native/test_isa_variants.py")
-    proc = pytest_with_isa(isa, files, f"{KERNEL_SELECTOR} or requested_isa")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout
+    logs = tmp_path_factory.mktemp("isa_runs")
+    runs = {}
+    for isa in NARROWER:
+        log = logs / f"{isa}.log"
+        runs[isa] = (
+            start_pytest_with_isa(isa, files, f"{KERNEL_SELECTOR} or requested_isa", log),
+            log,
+        )
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("isa", NARROWER)
+def test_the_kernels_match_their_references_on_a_narrower_isa(
+    narrower_isa_runs: dict[str, tuple[subprocess.Popen, Path]], isa: str
+) -> None:
+    proc, log = narrower_isa_runs[isa]
+    returncode = proc.wait(timeout=900)
+    output = log.read_text()
+    assert returncode == 0, output[-4000:]
+    assert " passed" in output and " failed" not in output
 
 
 _ARM_UNIT = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 # The tests that check the native operators against their references: every one of them
 # runs again in a child process per narrower ISA (tests/native/test_isa_variants.py).
@@ -20,10 +21,14 @@ KERNEL_SELECTOR = (
 )
 
 
-def pytest_with_isa(isa: str, files: tuple[str, ...], selector: str) -> subprocess.CompletedProcess:
-    """Run the tests of `files` matching `-k selector` in a child process whose operators
-    are built for `isa` (DECODEGRAPH_CPU_ISA: a build is chosen once per process)."""
+def start_pytest_with_isa(
+    isa: str, files: tuple[str, ...], selector: str, log: Path
+) -> subprocess.Popen:
+    """Start the tests of `files` matching `-k selector` in a child process whose
+    operators are built for `isa` (DECODEGRAPH_CPU_ISA: a build is chosen once per
+    process), its output going to `log`."""
     env = dict(os.environ, DECODEGRAPH_CPU_ISA=isa)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     cmd += ["-k", selector]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
