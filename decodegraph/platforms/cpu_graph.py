@@ -203,8 +203,10 @@ _build_pool: ThreadPoolExecutor | None = None
 def _cpp_builds_in_background() -> Iterator[None]:
     """While active, a C++ wrapper module that Inductor loads submits its compiler runs
     to a build thread and gets an entry function that waits for them on its first call,
-    instead of building before it loads. A library built already loads on that call too."""
+    instead of building before it loads (a library built already loads on that call
+    too); the wrapper and its kernels compile side by side."""
     global _build_pool
+    from torch._inductor import codecache
     from torch._inductor.codecache import CppWrapperCodeCache
 
     if _build_pool is None:
@@ -218,13 +220,53 @@ def _cpp_builds_in_background() -> Iterator[None]:
     own = "load_pybinding" in CppWrapperCodeCache.__dict__
     original = CppWrapperCodeCache.__dict__.get("load_pybinding")
     CppWrapperCodeCache.load_pybinding = classmethod(load_pybinding)  # type: ignore[method-assign, assignment]
+    original_worker = codecache._worker_compile_cpp
+    codecache._worker_compile_cpp = _compile_side_by_side
     try:
         yield
     finally:
+        codecache._worker_compile_cpp = original_worker
         if own:
             CppWrapperCodeCache.load_pybinding = original  # type: ignore[method-assign]
         else:
             del CppWrapperCodeCache.load_pybinding
+
+
+def _compile_side_by_side(lock_path: str, builders: Sequence[Any]) -> None:
+    """Inductor's build of a C++ wrapper module (its `_worker_compile_cpp`): under a file
+    lock (another process may be building the same module), each builder whose output is
+    missing, in order; for the wrapper, its kernels and their link, the two compiles run
+    at the same time, since neither needs the other."""
+    from torch._inductor.codecache import LOCK_TIMEOUT
+    from torch.utils._filelock import FileLock
+
+    def build(builder: Any) -> None:
+        if not os.path.exists(builder.get_target_file_path()):
+            builder.build()
+
+    with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+        if len(builders) != 3:
+            for builder in builders:
+                build(builder)
+            return
+        wrapper, kernels, link = builders
+        errors: list[BaseException] = []
+
+        def build_kernels() -> None:
+            try:
+                build(kernels)
+            except BaseException as e:  # noqa: BLE001 - raised below, in this thread
+                errors.append(e)
+
+        side = threading.Thread(target=build_kernels, name="decodegraph-c++-kernels")
+        side.start()
+        try:
+            build(wrapper)
+        finally:
+            side.join()
+        if errors:
+            raise errors[0]
+        build(link)
 
 
 class _PendingEntry:

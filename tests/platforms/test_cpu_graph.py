@@ -342,6 +342,41 @@ def test_deferred_graphs_build_their_cpp_in_the_background_and_finish_on_demand(
     assert all(name.startswith("decodegraph-c++") for name in threads)
 
 
+def test_a_wrapper_and_its_kernels_compile_at_the_same_time_then_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    import time
+
+    from torch._inductor import cpp_builder
+    from torch._inductor.utils import fresh_cache
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    run = cpp_builder.run_compile_cmd
+
+    def recorded(cmd_line: str, cwd: str) -> None:
+        kind = next((k for k in (".main.cpp", ".optimized.cpp", ".main.o") if k in cmd_line), None)
+        if kind is None:  # a header or the ISA probe
+            run(cmd_line, cwd)
+            return
+        with lock:
+            events.append(("start", kind))
+        time.sleep(0.2)  # long enough for the other compile to start if it runs beside
+        run(cmd_line, cwd)
+        with lock:
+            events.append(("end", kind))
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", recorded)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        graph = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+    starts = {kind for event, kind in events[:2] if event == "start"}
+    assert starts == {".main.cpp", ".optimized.cpp"}  # both began before either ended
+    assert events[-2:] == [("start", ".main.o"), ("end", ".main.o")]  # the link, last
+
+
 def test_a_graph_made_without_defer_is_built_and_run_before_the_constructor_returns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
