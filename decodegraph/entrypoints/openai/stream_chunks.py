@@ -10,16 +10,23 @@ the models.
 
 from __future__ import annotations
 
-import json
+from json.encoder import encode_basestring
 
 from decodegraph.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     CompletionStreamResponse,
 )
 
-# json.dumps with ensure_ascii=False escapes a str as pydantic-core does (quotes,
-# backslash, control characters; everything else as UTF-8).
-_dumps = json.dumps
+
+def _json(value: str | int | None) -> str:
+    # encode_basestring (json's C encoder for ensure_ascii=False) escapes a str as
+    # pydantic-core does: quotes, backslash and control characters; the rest as is.
+    # json.dumps would build an encoder object on every call.
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return encode_basestring(value)
+    return str(int(value))
 
 
 def _head(model: type, request_id: str, created: int, model_name: str) -> str:
@@ -53,9 +60,9 @@ class CompletionChunkWriter:
         """The event for one choice's `text`; `usage` is (prompt, completion) tokens."""
         return (
             f"{self._head}{index},"
-            f'"text":{_dumps(text, ensure_ascii=False)},"logprobs":null,'
-            f'"finish_reason":{_dumps(finish_reason, ensure_ascii=False)},'
-            f'"stop_reason":{_dumps(stop_reason, ensure_ascii=False)},"prompt_logprobs":null}}],'
+            f'"text":{_json(text)},"logprobs":null,'
+            f'"finish_reason":{_json(finish_reason)},'
+            f'"stop_reason":{_json(stop_reason)},"prompt_logprobs":null}}],'
             f'"usage":{"null" if usage is None else _usage(*usage)}}}\n\n'
         )
 
@@ -79,9 +86,9 @@ class ChatChunkWriter:
         """The event for one choice's `content`; `usage` is (prompt, completion) tokens."""
         return (
             f"{self._head}{index},"
-            f'"delta":{{"role":null,"content":{_dumps(content, ensure_ascii=False)},'
+            f'"delta":{{"role":null,"content":{_json(content)},'
             f'"tool_calls":[]}},"logprobs":null,'
-            f'"finish_reason":{_dumps(finish_reason, ensure_ascii=False)},'
-            f'"stop_reason":{_dumps(stop_reason, ensure_ascii=False)}}}],'
+            f'"finish_reason":{_json(finish_reason)},'
+            f'"stop_reason":{_json(stop_reason)}}}],'
             f'"usage":{"null" if usage is None else _usage(*usage)}}}\n\n'
         )

@@ -41,9 +41,7 @@ def _usage_info(usage: tuple[int, int] | None) -> UsageInfo | None:
 def test_completion_text_chunk_matches_the_model(ids: tuple[str, int, str]) -> None:
     request_id, created, model = ids
     writer = CompletionChunkWriter(request_id, created, model)
-    for index, text, (finish, stop), usage in itertools.product(
-        [0, 3], TEXTS, FINISHES, USAGES
-    ):
+    for index, text, (finish, stop), usage in itertools.product([0, 3], TEXTS, FINISHES, USAGES):
         expected = sse(
             CompletionStreamResponse(
                 id=request_id,
