@@ -3,11 +3,12 @@
 The engine is not thread-safe, so every engine call (add_request, abort_request, step,
 get_stats) runs on one dedicated engine thread. The asyncio side posts commands to it
 through a queue; the thread steps while there is work and sleeps on the queue when idle.
-After each step it routes the outputs to per-request collectors with one
-`call_soon_threadsafe` per event loop, so a step of 64 requests wakes the loop once. A
-collector merges the DELTA outputs that pile up while its consumer is busy (as vLLM's
-`RequestOutputCollector`), so a consumer that falls behind catches up with one chunk for
-several steps instead of one per step.
+After each step it routes the outputs to per-request collectors through one mailbox per
+event loop, which wakes its loop (`call_soon_threadsafe`) only when it was empty: a step
+of 64 requests wakes the loop once, and steps that finish while the loop is still busy
+with an earlier one do not wake it again. A collector merges the DELTA outputs that pile
+up while its consumer is busy (as vLLM's `RequestOutputCollector`), so a consumer that
+falls behind catches up with one chunk for several steps instead of one per step.
 
 With the engine core in a process of its own (`LLMEngine(engine_core_process=True)`),
 the engine thread does not step: it waits on the core's output pipe and on a wake-up
@@ -24,6 +25,7 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future
@@ -80,12 +82,51 @@ class RequestOutputCollector:
         return self._items.popleft()
 
 
+class _Mailbox:
+    """What the engine thread has for the collectors of one event loop, not yet taken.
+
+    Every item for that loop goes through here, in order (an accept signal before the
+    request's first output). Only a post to an empty mailbox wakes the loop; the one
+    `drain` that wake-up schedules takes whatever has piled up by the time it runs.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Weak, so that the loops' table of mailboxes does not keep closed loops alive.
+        self._loop = weakref.ref(loop)
+        self._lock = threading.Lock()
+        self._items: list[tuple[_RequestStream, Any]] = []
+
+    def post(self, items: Iterable[tuple[_RequestStream, Any]]) -> None:
+        """Queue (stream, item) pairs for the loop's collectors (from any thread)."""
+        with self._lock:
+            wake = not self._items
+            self._items.extend(items)
+        if not wake:
+            return
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("event loop is gone")
+            loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:
+            # That caller's loop is closed: nobody is listening any more.
+            with self._lock:
+                self._items.clear()
+
+    def drain(self) -> None:
+        """Hand everything posted so far to its collectors (on the loop)."""
+        with self._lock:
+            items, self._items = self._items, []
+        for stream, item in items:
+            stream.collector.put(item)
+
+
 @dataclass(eq=False)
 class _RequestStream:
     """One request's way back to its caller: a collector on the caller's event loop."""
 
     request_id: str
-    loop: asyncio.AbstractEventLoop
+    mailbox: _Mailbox
     output_kind: RequestOutputKind
     arrival_time: float = field(default_factory=time.monotonic)
     collector: RequestOutputCollector = field(init=False)
@@ -123,6 +164,10 @@ class AsyncLLM:
             self._wake_w.setblocking(False)
         # Futures of ("stats",) commands the core has not answered yet, in order.
         self._stats_waiting: deque[Future] = deque()
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._mailboxes_lock = threading.Lock()
         # Touched by the engine thread only.
         self._streams: dict[str, _RequestStream] = {}
         self._latest_stats: Any = None
@@ -183,7 +228,7 @@ class AsyncLLM:
         only this caller sees it. Iterate the result with `stream_outputs`.
         """
         self.check_health()
-        stream = _RequestStream(request_id, asyncio.get_running_loop(), params.output_kind)
+        stream = _RequestStream(request_id, self._mailbox(), params.output_kind)
         self._put(("add", stream, prompt, params))
         try:
             ack = await stream.collector.get()
@@ -243,6 +288,15 @@ class AsyncLLM:
         fut: Future = Future()
         self._put(("stats", fut))
         return fut.result(timeout)
+
+    def _mailbox(self) -> _Mailbox:
+        """The running event loop's mailbox (made on its first request)."""
+        loop = asyncio.get_running_loop()
+        with self._mailboxes_lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox(loop)
+        return mailbox
 
     def _put(self, cmd: tuple) -> None:
         """Hand a command to the engine thread (from any thread)."""
@@ -375,9 +429,9 @@ class AsyncLLM:
             self._stopped = True
 
     def _route(self, outputs: list[RequestOutput]) -> None:
-        """Deliver a step's outputs: one wake-up per event loop, metrics on the way."""
+        """Deliver a step's outputs: one post per event loop, metrics on the way."""
         now = time.monotonic()
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, Any]]] = {}
+        batches: dict[_Mailbox, list[tuple[_RequestStream, Any]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -385,9 +439,9 @@ class AsyncLLM:
             self._observe(stream, out, now)
             if out.finished:
                 del self._streams[out.request_id]
-            batches.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in batches.items():
-            self._call_soon(loop, _deliver, items)
+            batches.setdefault(stream.mailbox, []).append((stream, out))
+        for mailbox, items in batches.items():
+            mailbox.post(items)
 
     def _observe(self, stream: _RequestStream, out: RequestOutput, now: float) -> None:
         total = sum(len(c.token_ids) for c in out.outputs)
@@ -413,15 +467,9 @@ class AsyncLLM:
             self._latest_stats = self.engine.get_stats()
             self._last_stats_time = now
 
-    def _post(self, stream: _RequestStream, item: Any) -> None:
-        self._call_soon(stream.loop, stream.collector.put, item)
-
     @staticmethod
-    def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass  # that caller's loop is closed: nobody is listening any more
+    def _post(stream: _RequestStream, item: Any) -> None:
+        stream.mailbox.post([(stream, item)])
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
@@ -441,8 +489,3 @@ class AsyncLLM:
                 self._post(cmd[1], error)
             elif cmd[0] == "stats":
                 cmd[1].set_exception(error)
-
-
-def _deliver(items: list[tuple[_RequestStream, Any]]) -> None:
-    for stream, item in items:
-        stream.collector.put(item)

@@ -1,11 +1,13 @@
-"""The per-request collector between the engine thread and a consumer: DELTA outputs
-that pile up are merged, CUMULATIVE ones replaced, anything else queued in order."""
+"""The per-request collector between the engine thread and a consumer (DELTA outputs
+that pile up are merged, CUMULATIVE ones replaced, anything else queued in order), and
+the per-loop mailbox that brings it what the engine thread posts."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
-from decodegraph.engine.async_llm import RequestOutputCollector
+from decodegraph.engine.async_llm import RequestOutputCollector, _Mailbox, _RequestStream
 from decodegraph.outputs import CompletionOutput, Logprob, RequestOutput
 from decodegraph.sampling_params import RequestOutputKind
 
@@ -82,3 +84,71 @@ def test_get_waits_for_a_later_put() -> None:
         return (await collector.get()).outputs[0].text
 
     assert asyncio.run(main()) == "late"
+
+
+def _stream(mailbox: _Mailbox, request_id: str = "r") -> _RequestStream:
+    return _RequestStream(request_id, mailbox, RequestOutputKind.DELTA)
+
+
+def _post_from_a_thread(mailbox: _Mailbox, items: list) -> None:
+    """Post each item from another thread, as the engine thread would, one step each."""
+    poster = threading.Thread(target=lambda: [mailbox.post([item]) for item in items])
+    poster.start()
+    poster.join()
+
+
+def test_mailbox_wakes_its_loop_once_for_posts_that_pile_up() -> None:
+    async def main() -> tuple[int, list]:
+        loop = asyncio.get_running_loop()
+        wakes = 0
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counting(callback: object, *args: object) -> object:
+            nonlocal wakes
+            wakes += callback == mailbox.drain  # the executor's own wake-ups aside
+            return call_soon_threadsafe(callback, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        mailbox = _Mailbox(loop)
+        stream = _stream(mailbox)
+        posted = [object(), _out("a", [1]), _out("b", [2])]
+        _post_from_a_thread(mailbox, [(stream, item) for item in posted])  # the loop is busy
+        got = [await stream.collector.get() for _ in range(2)]
+        _post_from_a_thread(mailbox, [(stream, _out("c", [3]))])
+        got.append(await stream.collector.get())
+        return wakes, got
+
+    wakes, got = asyncio.run(main())
+    # One wake-up for the first three posts, one for the post after the drain.
+    assert wakes == 2
+    assert [o.outputs[0].text for o in got[1:]] == ["ab", "c"]
+
+
+def test_mailbox_keeps_the_order_of_every_stream_on_its_loop() -> None:
+    accepted = object()
+
+    async def main() -> list:
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        first, second = _stream(mailbox, "a"), _stream(mailbox, "b")
+        mailbox.post([(first, _out("x", [1]))])
+        mailbox.post([(second, accepted)])  # accepted while the first's output waits
+        mailbox.post([(second, _out("y", [2])), (first, _out("z", [3]))])
+        return [
+            await second.collector.get(),
+            (await second.collector.get()).outputs[0].text,
+            (await first.collector.get()).outputs[0].text,
+        ]
+
+    got = asyncio.run(main())
+    assert got[0] is accepted and got[1:] == ["y", "xz"]
+
+
+def test_mailbox_of_a_closed_loop_drops_what_is_posted() -> None:
+    loop = asyncio.new_event_loop()
+    mailbox = _Mailbox(loop)
+    loop.close()
+    stream = _stream(mailbox)
+    mailbox.post([(stream, _out("a", [1]))])
+    mailbox.post([(stream, _out("b", [2]))])
+    mailbox.drain()
+    assert not stream.collector._items

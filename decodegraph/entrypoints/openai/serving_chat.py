@@ -36,6 +36,7 @@ from decodegraph.entrypoints.openai.serving_engine import (
     sse,
     until_disconnect,
 )
+from decodegraph.entrypoints.openai.stream_chunks import ChatChunkWriter
 from decodegraph.entrypoints.openai.structured_outputs import (
     attach_structured_outputs,
     structured_outputs_of,
@@ -216,6 +217,7 @@ class OpenAIServingChat(OpenAIServing):
         top_n = request.top_logprobs or 0
         fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
         every_chunk_usage = continuous_usage(request.stream_options)
+        writer = ChatChunkWriter(request_id, created, self.model_name)
 
         def chunk(
             choices: list[ChatCompletionStreamChoice],
@@ -261,6 +263,15 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = c.finish_reason
                     if finish_reason is not None and ts.called and tools.named is None:
                         finish_reason = "tool_calls"
+                    if not request.logprobs and not delta.tool_calls and prompt_logprobs is None:
+                        yield writer.content(
+                            c.index,
+                            delta.content,
+                            finish_reason,
+                            c.stop_reason,
+                            (prompt_tokens, completion_tokens) if every_chunk_usage else None,
+                        )
+                        continue
                     yield chunk(
                         [
                             ChatCompletionStreamChoice(

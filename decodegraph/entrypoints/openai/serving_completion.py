@@ -32,6 +32,7 @@ from decodegraph.entrypoints.openai.serving_engine import (
     sse,
     until_disconnect,
 )
+from decodegraph.entrypoints.openai.stream_chunks import CompletionChunkWriter
 from decodegraph.entrypoints.openai.structured_outputs import (
     attach_structured_outputs,
     structured_outputs_of,
@@ -216,6 +217,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         fmt = self.logprob_formatter(request.return_tokens_as_token_ids)
         every_chunk_usage = continuous_usage(request.stream_options)
+        writer = CompletionChunkWriter(request_id, created, self.model_name)
         choices = [_Choice() for _ in range(len(prompts) * n)]
         prompt_tokens = [0] * len(prompts)
         prompt_lps: list[list[dict[int, Logprob] | None] | None] = [None] * len(prompts)
@@ -231,6 +233,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     first = not choice.started
                     delta = self._update(choice, c, prompts[i], out, request, fmt, prompt_lps[i])
                     if not delta and not c.token_ids and c.finish_reason is None:
+                        continue
+                    prompt_logprobs = choice.prompt_logprobs if first else None
+                    if choice.logprobs is None and prompt_logprobs is None:
+                        yield writer.text(
+                            k,
+                            delta,
+                            c.finish_reason,
+                            c.stop_reason,
+                            _usage_counts(prompt_tokens, choices) if every_chunk_usage else None,
+                        )
                         continue
                     logprobs = None
                     if choice.logprobs is not None:
@@ -253,7 +265,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                     logprobs=logprobs,
                                     finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason,
-                                    prompt_logprobs=choice.prompt_logprobs if first else None,
+                                    prompt_logprobs=prompt_logprobs,
                                 )
                             ],
                             usage=_usage(prompt_tokens, choices) if every_chunk_usage else None,
@@ -279,12 +291,14 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
 
+def _usage_counts(prompt_tokens: list[int], choices: list[_Choice]) -> tuple[int, int]:
+    return sum(prompt_tokens), sum(ch.num_tokens for ch in choices)
+
+
 def _usage(prompt_tokens: list[int], choices: list[_Choice]) -> UsageInfo:
-    completion_tokens = sum(ch.num_tokens for ch in choices)
+    prompt, completion = _usage_counts(prompt_tokens, choices)
     return UsageInfo(
-        prompt_tokens=sum(prompt_tokens),
-        completion_tokens=completion_tokens,
-        total_tokens=sum(prompt_tokens) + completion_tokens,
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
 
 
