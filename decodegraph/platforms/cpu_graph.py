@@ -209,6 +209,12 @@ def _cpp_builds_in_background() -> Iterator[None]:
     from torch._inductor import codecache
     from torch._inductor.codecache import CppWrapperCodeCache
 
+    if not (
+        hasattr(CppWrapperCodeCache, "load_pybinding_async")
+        and hasattr(codecache, "_worker_compile_cpp")
+    ):
+        yield  # an Inductor without these builds as it loads: correct, only slower
+        return
     if _build_pool is None:
         workers = os.cpu_count() or 1
         _build_pool = ThreadPoolExecutor(workers, thread_name_prefix="decodegraph-c++")
