@@ -405,7 +405,7 @@ def test_a_cpp_wrapper_graph_is_called_through_its_entry_and_gives_the_modules_o
 
     from torch._inductor.utils import fresh_cache
 
-    from decodegraph.platforms import cpu_graph
+    from decodegraph.platforms import inductor_cpp
 
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     with fresh_cache():
@@ -413,7 +413,7 @@ def test_a_cpp_wrapper_graph_is_called_through_its_entry_and_gives_the_modules_o
         modules = [m for m in list(sys.modules.values()) if hasattr(m, "inductor_entry")]
     module = modules[-1]
     call = module.call
-    direct = cpu_graph._entry_call(call)
+    direct = inductor_cpp.entry_call(call)
     assert direct is not call
     torch.testing.assert_close(direct([x, w])[0], call([x, w])[0])
     x.copy_(torch.randn(4, 8))
@@ -430,11 +430,11 @@ def test_a_cpp_wrapper_graph_is_called_through_its_entry_and_gives_the_modules_o
 def test_a_python_wrapper_graph_is_called_through_its_modules_call() -> None:
     from torch._inductor.utils import fresh_cache
 
-    from decodegraph.platforms import cpu_graph
+    from decodegraph.platforms import inductor_cpp
 
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     with fresh_cache():
         graph = CpuGraph("g", _affine, [x, w], True, {"cpp_wrapper": False})
     torch.testing.assert_close(graph.replay(), _affine(x, w))
     not_a_module = lambda args: args  # noqa: E731 - a plain function, no entry beside it
-    assert cpu_graph._entry_call(not_a_module) is not_a_module
+    assert inductor_cpp.entry_call(not_a_module) is not_a_module

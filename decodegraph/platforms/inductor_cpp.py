@@ -1,0 +1,139 @@
+"""How the CPU graphs' Inductor modules are built and called (platforms/cpu_graph.py).
+
+A C++ wrapper module is Python that holds the generated C++ as text and, when it loads,
+has the compiler build it and loads the library. `cpp_builds_in_background` lets the
+module load at once while the compiler runs in a thread (the C++ wrapper and its kernels
+side by side), so the next graph lowers meanwhile; the entry function waits for its
+build on its first call. `entry_call` calls a module's C++ entry with its inputs'
+handles, without the module's Python loop over them.
+
+Both lean on Inductor's code cache (`CppWrapperCodeCache.load_pybinding_async`,
+`codecache._worker_compile_cpp`) and on the generated module's globals; where those are
+missing, a module builds as it loads and is called through its `call`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+# The threads that run Inductor's C++ builds under cpp_builds_in_background.
+_build_pool: ThreadPoolExecutor | None = None
+
+
+@contextlib.contextmanager
+def cpp_builds_in_background() -> Iterator[None]:
+    """While active, a C++ wrapper module that Inductor loads submits its compiler runs
+    to a build thread and gets an entry function that waits for them on its first call,
+    instead of building before it loads (a library built already loads on that call
+    too); the wrapper and its kernels compile side by side."""
+    global _build_pool
+    from torch._inductor import codecache
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    if not (
+        hasattr(CppWrapperCodeCache, "load_pybinding_async")
+        and hasattr(codecache, "_worker_compile_cpp")
+    ):
+        yield  # an Inductor without these builds as it loads: correct, only slower
+        return
+    if _build_pool is None:
+        workers = os.cpu_count() or 1
+        _build_pool = ThreadPoolExecutor(workers, thread_name_prefix="decodegraph-c++")
+    submit = _build_pool.submit
+
+    def load_pybinding(cls: type, *args: Any, **kwargs: Any) -> _PendingEntry:
+        return _PendingEntry(cls.load_pybinding_async(*args, submit_fn=submit, **kwargs))
+
+    own = "load_pybinding" in CppWrapperCodeCache.__dict__
+    original = CppWrapperCodeCache.__dict__.get("load_pybinding")
+    CppWrapperCodeCache.load_pybinding = classmethod(load_pybinding)  # type: ignore[method-assign, assignment]
+    original_worker = codecache._worker_compile_cpp
+    codecache._worker_compile_cpp = _compile_side_by_side
+    try:
+        yield
+    finally:
+        codecache._worker_compile_cpp = original_worker
+        if own:
+            CppWrapperCodeCache.load_pybinding = original  # type: ignore[method-assign]
+        else:
+            del CppWrapperCodeCache.load_pybinding
+
+
+def _compile_side_by_side(lock_path: str, builders: Sequence[Any]) -> None:
+    """Inductor's build of a C++ wrapper module (its `_worker_compile_cpp`): under a file
+    lock (another process may be building the same module), each builder whose output is
+    missing, in order; for the wrapper, its kernels and their link, the two compiles run
+    at the same time, since neither needs the other."""
+    from torch._inductor.codecache import LOCK_TIMEOUT
+    from torch.utils._filelock import FileLock
+
+    def build(builder: Any) -> None:
+        if not os.path.exists(builder.get_target_file_path()):
+            builder.build()
+
+    with FileLock(lock_path, timeout=LOCK_TIMEOUT):
+        if len(builders) != 3:
+            for builder in builders:
+                build(builder)
+            return
+        wrapper, kernels, link = builders
+        errors: list[BaseException] = []
+
+        def build_kernels() -> None:
+            try:
+                build(kernels)
+            except BaseException as e:  # noqa: BLE001 - raised below, in this thread
+                errors.append(e)
+
+        side = threading.Thread(target=build_kernels, name="decodegraph-c++-kernels")
+        side.start()
+        try:
+            build(wrapper)
+        finally:
+            side.join()
+        if errors:
+            raise errors[0]
+        build(link)
+
+
+class _PendingEntry:
+    """A C++ wrapper module's entry function while its library builds: the first call
+    waits for the build and loads the library."""
+
+    __slots__ = ("_entry", "_load")
+
+    def __init__(self, load: Callable[[], Callable[[Any], Any]]) -> None:
+        self._load = load
+        self._entry: Callable[[Any], Any] | None = None
+
+    def resolve(self) -> Callable[[Any], Any]:
+        if self._entry is None:
+            self._entry = self._load()
+        return self._entry
+
+    def __call__(self, handles: Any) -> Any:
+        return self.resolve()(handles)
+
+
+def entry_call(call: Callable[[list], list]) -> Callable[[list], list]:
+    """Inductor's `call` of a C++ wrapper module without its Python loop: that makes a
+    tensor of every input that is not one, a handle of each, and hands the handles to
+    the module's C++ entry; a graph's inputs are all tensors, so the handles are made
+    in one call. For any other module (Inductor's Python wrapper), `call` itself."""
+    namespace = getattr(call, "__globals__", {})
+    entry = namespace.get("inductor_entry")
+    aoti = getattr(torch._C, "_aoti", None)
+    to_handles = getattr(aoti, "unsafe_alloc_void_ptrs_from_tensors", None)
+    from_handles = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
+    if namespace.get("call") is not call or entry is None or not (to_handles and from_handles):
+        return call
+    if isinstance(entry, _PendingEntry):
+        entry = entry.resolve()
+    return lambda args: from_handles(entry(to_handles(args)))
