@@ -76,7 +76,7 @@ def start_inductor_compile(
 ) -> Callable[[], Callable[..., object]]:
     """Compile a traced graph with Inductor (no dynamo front end involved) into a
     callable of the same inputs, returning what the graph returns. Returns a function
-    that waits for the compile's C++ build and gives that callable.
+    to call once: it waits for the compile's C++ build and gives that callable.
 
     Inductor's work in Python is done when this returns; the C++ compiler runs for it in
     a thread meanwhile (its compiles are other processes), so that a caller with several
@@ -120,10 +120,11 @@ def start_inductor_compile(
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     spec = pytree.tree_flatten(output.args[0])[1]
     key = cpu_graph_cache.graph_key(gm, node_meta, args, options)
+    tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
     cached = _load_indexed(key, args, spec, options)
     if cached is not None:
         logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        hit = _flat_call(cached, constants, spec, _all_tensors(args))
+        hit = _flat_call(cached, constants, spec, tensor_inputs)
         return lambda: hit
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -174,27 +175,11 @@ def start_inductor_compile(
                     logger.debug(
                         "graph of %d inputs: calling Inductor's function directly", len(args)
                     )
-                    return _flat_call(fast, constants, spec, _all_tensors(args))
+                    return _flat_call(fast, constants, spec, tensor_inputs)
         logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
         return lambda *xs: wrapped(*xs, *constants)
 
-    return _once(finish)
-
-
-def _once(fn: Callable[[], Callable[..., object]]) -> Callable[[], Callable[..., object]]:
-    """`fn`, run on the first call only; later calls give its first result."""
-    result: list[Callable[..., object]] = []
-
-    def call() -> Callable[..., object]:
-        if not result:
-            result.append(fn())
-        return result[0]
-
-    return call
-
-
-def _all_tensors(args: Sequence[object]) -> bool:
-    return all(isinstance(a, torch.Tensor) for a in args)
+    return finish
 
 
 def _flat_call(
@@ -293,7 +278,9 @@ class CpuGraph(DeviceGraph):
         if use_inductor:
             # With `defer`, its C++ builds while the caller compiles the next graph;
             # finish() waits for it and runs it once, so a failure still shows at start-up.
+            # Until then the callable is one that finishes first (a replay before it).
             self._pending = start_inductor_compile(self.graph_module, inputs, inductor_options)
+            self._callable = self._finish_then_call
             if not defer:
                 self.finish()
         else:
@@ -305,8 +292,10 @@ class CpuGraph(DeviceGraph):
             self._callable = self._pending()
             self._pending = None
 
+    def _finish_then_call(self, *inputs: torch.Tensor) -> object:
+        self.finish()
+        return self._callable(*inputs)
+
     def _run(self) -> Any:
-        if self._pending is not None:
-            self.finish()
         out = self._callable(*self.inputs)
         return out[0] if self._single_output and isinstance(out, (list, tuple)) else out

@@ -35,10 +35,25 @@ def _head(model: type, request_id: str, created: int, model_name: str) -> str:
     return "data: " + dumped[: dumped.index('"choices":')] + '"choices":[{"index":'
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> str:
+def _end(
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    usage: tuple[int, int] | None,
+    choice_rest: str = "",
+) -> str:
+    """A chunk from its choice's finish reason on: the reasons, the choice's fields after
+    stop_reason (`choice_rest`), and `usage`, (prompt, completion) tokens or None."""
+    if usage is None:
+        usage_json = "null"
+    else:
+        prompt, completion = usage
+        usage_json = (
+            f'{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
+            f'"total_tokens":{prompt + completion}}}'
+        )
     return (
-        f'{{"prompt_tokens":{prompt_tokens},"completion_tokens":{completion_tokens},'
-        f'"total_tokens":{prompt_tokens + completion_tokens}}}'
+        f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}'
+        f'{choice_rest}}}],"usage":{usage_json}}}\n\n'
     )
 
 
@@ -58,12 +73,8 @@ class CompletionChunkWriter:
         usage: tuple[int, int] | None,
     ) -> str:
         """The event for one choice's `text`; `usage` is (prompt, completion) tokens."""
-        return (
-            f"{self._head}{index},"
-            f'"text":{_json(text)},"logprobs":null,'
-            f'"finish_reason":{_json(finish_reason)},'
-            f'"stop_reason":{_json(stop_reason)},"prompt_logprobs":null}}],'
-            f'"usage":{"null" if usage is None else _usage(*usage)}}}\n\n'
+        return f'{self._head}{index},"text":{_json(text)},"logprobs":null,' + _end(
+            finish_reason, stop_reason, usage, ',"prompt_logprobs":null'
         )
 
 
@@ -85,10 +96,6 @@ class ChatChunkWriter:
     ) -> str:
         """The event for one choice's `content`; `usage` is (prompt, completion) tokens."""
         return (
-            f"{self._head}{index},"
-            f'"delta":{{"role":null,"content":{_json(content)},'
-            f'"tool_calls":[]}},"logprobs":null,'
-            f'"finish_reason":{_json(finish_reason)},'
-            f'"stop_reason":{_json(stop_reason)}}}],'
-            f'"usage":{"null" if usage is None else _usage(*usage)}}}\n\n'
+            f'{self._head}{index},"delta":{{"role":null,"content":{_json(content)},'
+            f'"tool_calls":[]}},"logprobs":null,' + _end(finish_reason, stop_reason, usage)
         )
