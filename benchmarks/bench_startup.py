@@ -15,8 +15,11 @@ exit). Rounds alternate cold and warm; the table shows medians.
 Cases: `stories260K` (the bundled model, default graph mode, LLM class defaults),
 `demo` (`decodegraph generate --max-tokens 61`, as `make demo`: wall time of the whole
 command, and when its first token came is not separable, so phases are the engine's),
-`qwen2.5-0.5b-shape` (Qwen2.5-0.5B's config, fp32, random weights: load_format dummy).
-Results go to benchmarks/results/bench_startup.json.
+`qwen2.5-0.5b-shape` (Qwen2.5-0.5B's config, fp32, random weights: load_format dummy),
+`qwen2.5-0.5b-checkpoint` (the same shapes read from a saved fp32 safetensors
+checkpoint with a tokenizer, as the issue measured it: bench_decode.py's mid-size
+checkpoint, written once under `--mid-dir`; after its first read it is in the page
+cache). Results go to benchmarks/results/bench_startup.json.
 
 `--tree NAME=DIR` (repeatable) also starts from another source tree, e.g. an exported
 copy of the commit before a change, in the same rounds. Each tree builds its CPU
@@ -84,12 +87,14 @@ print("RESULT " + json.dumps({
 """
 
 
-def _case_command(case: str, model_dir: Path | None) -> list[str]:
+def _case_command(case: str, model_dir: Path | None, checkpoint: Path | None) -> list[str]:
     python = sys.executable
     if case == "demo":
         return [python, "-m", "decodegraph", "generate", "--max-tokens", "61"]
     if case == "stories260K":
         kwargs: dict[str, object] = {"model": "stories260K"}
+    elif case == "qwen2.5-0.5b-checkpoint":
+        kwargs = {"model": str(checkpoint), "dtype": "float32", "kv_cache_memory_bytes": 3 << 30}
     else:
         kwargs = {
             "model": str(model_dir),
@@ -101,6 +106,16 @@ def _case_command(case: str, model_dir: Path | None) -> list[str]:
             "kv_cache_memory_bytes": 3 << 30,
         }
     return [python, "-c", _CHILD, json.dumps(kwargs)]
+
+
+def _mid_checkpoint(mid_dir: Path) -> Path:
+    """bench_decode.py's fp32 mid-size checkpoint (its sibling module writes it once)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import peers
+
+    return peers.make_mid_checkpoint(mid_dir / "qwen2.5-0.5b-float32", torch.float32)
 
 
 def _run(command: list[str], cache_dir: str, tree: Path, xdg: Path) -> dict[str, float]:
@@ -166,7 +181,14 @@ def main() -> int:
         "--cases",
         nargs="+",
         default=["stories260K", "demo"],
-        choices=["stories260K", "demo", "qwen2.5-0.5b-shape"],
+        choices=["stories260K", "demo", "qwen2.5-0.5b-shape", "qwen2.5-0.5b-checkpoint"],
+    )
+    parser.add_argument(
+        "--mid-dir",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "decodegraph_mid",
+        help="where qwen2.5-0.5b-checkpoint's checkpoint is (written there if absent); "
+        "bench_decode.py's default",
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -189,6 +211,9 @@ def main() -> int:
         model_dir = Path(tmp) / "qwen2.5-0.5b-shape"
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(QWEN2_5_0_5B))
+        checkpoint = None
+        if "qwen2.5-0.5b-checkpoint" in args.cases:
+            checkpoint = _mid_checkpoint(args.mid_dir)
         xdg = {name: Path(tmp) / f"xdg_{name}" for name in trees}
         for name, tree in trees.items():
             _build_native(tree, xdg[name])
@@ -198,7 +223,7 @@ def main() -> int:
                     cache = tempfile.mkdtemp(prefix=f"inductor_{r}_", dir=tmp)
                     label = case if len(trees) == 1 else f"{case} [{name}]"
                     runs = results.setdefault(label, {"cold": [], "warm": []})
-                    command = _case_command(case, model_dir)
+                    command = _case_command(case, model_dir, checkpoint)
                     for kind in ("cold", "warm"):
                         runs[kind].append(_run(command, cache, tree, xdg[name]))
                         row = runs[kind][-1]
