@@ -108,6 +108,23 @@ def test_the_bf16_batch_1_projection_is_as_exact_as_torch_mm(
     assert torch.equal(cpu_ops.linear_one_row(x, w, None), cpu_ops.linear_one_row(x, w, b * 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_batch_1_projection_of_a_view_at_any_offset(
+    cpu_ops: object, dtype: torch.dtype
+) -> None:
+    """x may start anywhere in its storage (the op reads it from a 64-byte boundary of
+    its own when it does not): the same bits as a fresh copy of it, at every offset."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 344, generator=gen).to(dtype)
+    row = torch.randn(1, 344 + 16, generator=gen).to(dtype)
+    for offset in range(16):
+        x = row[:, offset : offset + 344]
+        assert x.data_ptr() % 64 == (offset * x.element_size()) % 64
+        assert torch.equal(
+            cpu_ops.linear_one_row(x, w, None), cpu_ops.linear_one_row(x.clone(), w, None)
+        )
+
+
 def test_the_batch_1_projection_refuses_mixed_dtypes_and_more_rows(cpu_ops: object) -> None:
     w = torch.randn(8, 16)
     for args in (

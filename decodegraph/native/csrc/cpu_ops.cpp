@@ -29,6 +29,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -266,6 +268,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // so that a thread has a few rows even at a hidden size of 4096.
 constexpr int64_t kLinearGrainValues = 16384;
 
+// k floats of `storage` starting on a 64-byte boundary. linear_one_row's x is read
+// once per weight row: on that boundary each of its vector loads stays within one cache
+// line (a split load costs two, and bf16's loop loads x twice per weight vector).
+float* aligned_floats(std::vector<float>& storage, int64_t k) {
+    storage.resize(k + 16);
+    const auto misalign = reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16;
+    return storage.data() + (16 - misalign) % 16;
+}
+
 // float32 or bfloat16 throughout (x, weight, bias, and the output, of x's dtype);
 // bfloat16 sums in float32 (csrc/linear.h).
 at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
@@ -288,6 +299,10 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
         const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
         float* y = out.data_ptr<float>();
         const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+        std::vector<float> storage;
+        if (reinterpret_cast<uintptr_t>(xp) % 64 != 0)  // a view into the middle of a row
+            xp = static_cast<const float*>(
+                std::memcpy(aligned_floats(storage, k), xp, k * sizeof(float)));
         at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
             linear_one_row_f32(y, xp, w, b, begin, end, k);
         });
@@ -296,12 +311,13 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
     const auto bf16 = [](const at::Tensor& t) {
         return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
     };
-    std::vector<float> xf(k);
-    widen_bf16_pairs(xf.data(), bf16(x), k);
+    std::vector<float> storage;
+    float* xf = aligned_floats(storage, k);
+    widen_bf16_pairs(xf, bf16(x), k);
     const uint16_t *w = bf16(weight), *b = bias.has_value() ? bf16(*bias) : nullptr;
     auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-        linear_one_row_bf16(y, xf.data(), w, b, begin, end, k);
+        linear_one_row_bf16(y, xf, w, b, begin, end, k);
     });
     return out;
 }
