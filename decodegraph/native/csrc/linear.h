@@ -27,8 +27,9 @@ namespace decodegraph {
 // count).
 #define DG_ONE_COPY __attribute__((noinline))
 
-DG_ONE_COPY inline void linear_one_row_f32(float* y, const float* x, const float* w, const float* b,
-                               int64_t begin, int64_t end, int64_t k) {
+DG_ONE_COPY inline void linear_one_row_f32(float* y, const float* x, const float* w,
+                                           const float* b, int64_t begin, int64_t end,
+                                           int64_t k) {
     for (int64_t n = begin; n < end; n++) {
         const float* wn = w + n * k;
         Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
@@ -80,8 +81,9 @@ inline void widen_bf16_pairs(float* out, const uint16_t* in, int64_t k) {
 // y[n] = bf16(dot(x, W[n]) + b[n]) for a float32 x [k] in widen_bf16_pairs' order and bf16
 // W [n, k], b [n] (b may be null), over output rows [begin, end). The order of the sum
 // depends on k and the ISA alone, never on the rows a thread was given.
-DG_ONE_COPY inline void linear_one_row_bf16(uint16_t* y, const float* x, const uint16_t* w, const uint16_t* b,
-                                int64_t begin, int64_t end, int64_t k) {
+DG_ONE_COPY inline void linear_one_row_bf16(uint16_t* y, const float* x, const uint16_t* w,
+                                            const uint16_t* b, int64_t begin, int64_t end,
+                                            int64_t k) {
     const int64_t kv = k - k % kBf16Block;  // the values the vector loops sum
     for (int64_t n = begin; n < end; n++) {
         const uint16_t* wn = w + n * k;
