@@ -112,8 +112,9 @@ def test_the_bf16_batch_1_projection_is_as_exact_as_torch_mm(
 def test_the_batch_1_projection_of_a_view_at_any_offset(
     cpu_ops: object, dtype: torch.dtype
 ) -> None:
-    """x may start anywhere in its storage (the op reads it from a 64-byte boundary of
-    its own when it does not): the same bits as a fresh copy of it, at every offset."""
+    """x may start anywhere in its storage (a bf16 x is widened into a buffer of the op's
+    own, on a 64-byte boundary; a float32 one is read where it lies): the same bits as a
+    fresh copy of it, at every offset."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(37, 344, generator=gen).to(dtype)
     row = torch.randn(1, 344 + 16, generator=gen).to(dtype)

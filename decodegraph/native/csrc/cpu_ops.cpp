@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -268,9 +267,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // so that a thread has a few rows even at a hidden size of 4096.
 constexpr int64_t kLinearGrainValues = 16384;
 
-// k floats of `storage` starting on a 64-byte boundary. linear_one_row's x is read
-// once per weight row: on that boundary each of its vector loads stays within one cache
-// line (a split load costs two, and bf16's loop loads x twice per weight vector).
+// k floats of `storage` starting on a 64-byte boundary: where linear_one_row widens a
+// bf16 x, which is read once per weight row. On that boundary each of its vector loads
+// stays within one cache line (a split load costs two, and bf16's loop loads x twice per
+// weight vector); a float32 x is the activation itself, on the allocator's boundary.
 float* aligned_floats(std::vector<float>& storage, int64_t k) {
     storage.resize(k + 16);
     const auto misalign = reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16;
@@ -299,10 +299,6 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
         const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
         float* y = out.data_ptr<float>();
         const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
-        std::vector<float> storage;
-        if (reinterpret_cast<uintptr_t>(xp) % 64 != 0)  // a view into the middle of a row
-            xp = static_cast<const float*>(
-                std::memcpy(aligned_floats(storage, k), xp, k * sizeof(float)));
         at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
             linear_one_row_f32(y, xp, w, b, begin, end, k);
         });
