@@ -107,6 +107,8 @@ class GraphRunner:
         # Key -> its graph, its params id and whether its first replay's check ran. A key
         # names one graph: uniform keys are full graphs, mixed keys the mixed mode's.
         self._replays: dict[BatchDescriptor, _Replay] = {}
+        # The forward context each graph was captured in, until capture_all finishes it.
+        self._capture_contexts: dict[GraphKey, ForwardContext] = {}
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -159,9 +161,11 @@ class GraphRunner:
         try:
             for mode, key in tqdm(keys, desc="Capturing graphs", disable=not keys, leave=False):
                 self.capture(mode, key, model, prepare_dummy)
-            # In capture order on every rank: finishing runs a graph, collectives and all.
-            for graph in self.graphs.values():
-                graph.finish()
+            # In capture order on every rank: finishing runs a graph, collectives and all,
+            # under the forward context it was captured in (an attention op may read it).
+            for graph_key, graph in self.graphs.items():
+                with set_forward_context(self._capture_contexts.pop(graph_key)):
+                    graph.finish()
         finally:
             gc.unfreeze()
         self.closed = True
@@ -229,6 +233,7 @@ class GraphRunner:
             count = graph.num_pieces
             params_id = None  # piecewise: attention runs eagerly
         self.graphs[(mode, key)] = graph
+        self._capture_contexts[(mode, key)] = context
         self._replays[key] = _Replay(graph, params_id)
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from decodegraph.entrypoints.llm import LLM
-from decodegraph.forward_context import EAGER_PARAMS_ID, BatchDescriptor
+from decodegraph.forward_context import EAGER_PARAMS_ID, BatchDescriptor, get_forward_context
 from decodegraph.graphs.graph_runner import CaptureClosedError, GraphRunner
 from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.platforms.base import InputAddressError
@@ -125,6 +125,29 @@ def test_capture_finishes_every_graph_once_all_are_made_in_capture_order(
     names = [name for event, name in events if event == "make"]
     assert len(names) == 3
     assert events == [("make", n) for n in names] + [("finish", n) for n in names]
+
+
+def test_each_graph_is_finished_in_the_forward_context_it_was_captured_in(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finishing runs the graph once; an attention op that reads the forward context as it
+    runs (the Triton backend's) must find the graph's own params id there, as at capture."""
+    seen: list[tuple[str, int | None]] = []
+
+    def finish(self: StaticGraph) -> None:
+        context = get_forward_context()
+        seen.append((self.name, None if context is None else context.params_id))
+
+    monkeypatch.setattr(StaticGraph, "finish", finish)
+    with registered_platform(StaticGraphPlatform) as device:
+        llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4], device=device)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    expected = {
+        graph.name: graph_runner.graph_params[key]
+        for (_, key), graph in graph_runner.graphs.items()
+    }
+    assert len(seen) == 3 and dict(seen) == expected
+    assert get_forward_context() is None
 
 
 def test_a_late_capture_raises(stories_dir: Path) -> None:
