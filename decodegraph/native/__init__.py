@@ -263,6 +263,34 @@ def load_cpu_ops() -> object | None:
     return None
 
 
+# Free CPU blocks the caching allocator keeps by default (csrc/cpu_allocator.h).
+_ALLOCATOR_CACHE_MB = 64
+
+
+def install_cpu_allocator() -> bool:
+    """Put the operators' caching allocator in front of c10's CPU allocator, for this
+    process: tensors up to 4 MiB are served from free lists of their size class instead
+    of glibc's posix_memalign, which takes the arena lock on every call (a replayed
+    graph allocates each intermediate buffer afresh). It keeps at most
+    DECODEGRAPH_CPU_ALLOCATOR_CACHE_MB of free blocks (default 64; 0: not installed).
+    Returns whether it is installed; False where the operators are not loaded."""
+    raw = os.environ.get("DECODEGRAPH_CPU_ALLOCATOR_CACHE_MB", str(_ALLOCATOR_CACHE_MB))
+    try:
+        mb = int(raw)
+        if mb < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"DECODEGRAPH_CPU_ALLOCATOR_CACHE_MB must be a whole number of MiB, 0 or more; "
+            f"got {raw!r}"
+        ) from None
+    ops = load_cpu_ops()
+    if ops is None or not hasattr(ops, "cpu_allocator_install"):
+        return False
+    ops.cpu_allocator_install(mb << 20)
+    return mb > 0
+
+
 def cpu_isa() -> str | None:
     """The vector ISA the loaded operators were built for (avx512, avx2, neon or scalar),
     or None where they are not loaded."""

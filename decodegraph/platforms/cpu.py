@@ -96,7 +96,8 @@ class CpuPlatform(Platform):
         return checkpoint_dtype, "the checkpoint's dtype"
 
     def configure_process(self) -> None:
-        """Intra-op threads: DECODEGRAPH_CPU_THREADS, else all cores but one.
+        """Intra-op threads: DECODEGRAPH_CPU_THREADS, else all cores but one; and the
+        native operators' caching allocator for CPU tensors (native.install_cpu_allocator).
 
         A decode step is hundreds of tiny ops; an OpenMP team whose other thread is
         descheduled (the core busy with the API server, tokenizer or another process)
@@ -106,6 +107,7 @@ class CpuPlatform(Platform):
         threads = os.environ.get("DECODEGRAPH_CPU_THREADS")
         n = int(threads) if threads else max(1, (os.cpu_count() or 2) - 1)
         torch.set_num_threads(n)
+        native.install_cpu_allocator()
 
     # ---------------------------------------------------------------- graphs
 

@@ -23,6 +23,10 @@
 // handle, so that a compiled graph (Inductor's C++ wrapper included) calls them with
 // tensors and ints only. The shm_segment_* operators set a segment up and tear it down
 // (eager only).
+//
+// cpu_allocator_*: the caching allocator for CPU tensors (csrc/cpu_allocator.h), put in
+// front of c10's default by the CPU platform: install with a cap in bytes (0: take it
+// out again), its statistics, and freeing what it holds.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,6 +38,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "cpu_allocator.h"
 #include "linear.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
@@ -320,11 +325,28 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
 
 std::string vector_isa_op() { return vector_isa(); }
 
+void cpu_allocator_install(int64_t cap_bytes) {
+    TORCH_CHECK(cap_bytes >= 0, "cpu_allocator_install: cap_bytes must not be negative");
+    CachingCpuAllocator::instance().install(cap_bytes);
+}
+
+// [installed, cached bytes, hits, misses, passed through]
+std::vector<int64_t> cpu_allocator_stats() {
+    auto& a = CachingCpuAllocator::instance();
+    const auto s = a.stats();
+    return {a.installed() ? 1 : 0, s.cached_bytes, s.hits, s.misses, s.passed_through};
+}
+
+void cpu_allocator_trim() { CachingCpuAllocator::instance().trim(); }
+
 }  // namespace
 
 TORCH_LIBRARY(decodegraph_cpu, m) {
     // The vector code the library was built with: avx512, avx2, neon or scalar.
     m.def("vector_isa() -> str", &vector_isa_op);
+    m.def("cpu_allocator_install(int cap_bytes) -> ()", &cpu_allocator_install);
+    m.def("cpu_allocator_stats() -> int[]", &cpu_allocator_stats);
+    m.def("cpu_allocator_trim() -> ()", &cpu_allocator_trim);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");
