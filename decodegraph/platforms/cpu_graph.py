@@ -8,6 +8,7 @@ become trailing inputs of the compiled function, never copies.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from decodegraph.platforms import cpu_graph_cache
 from decodegraph.platforms.base import DeviceGraph, GraphFn, trace
-from decodegraph.platforms.inductor_cpp import cpp_builds_in_background, entry_call
+from decodegraph.platforms.inductor_cpp import bind_entry, cpp_builds_in_background, entry_call
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +188,53 @@ def _flat_call(
     constants: list[torch.Tensor],
     spec: pytree.TreeSpec,
     tensor_inputs: bool,
-) -> Callable[..., object]:
+) -> _FlatCall:
+    return _FlatCall(fn, constants, spec, tensor_inputs)
+
+
+class _FlatCall:
     """`fn` (Inductor's function of one flat list) as a callable of the graph's inputs,
     returning what the graph returns; straight into its C++ entry where every input is a
-    tensor (`tensor_inputs`, as they were at the compile)."""
-    direct = entry_call(fn) if tensor_inputs else fn
-    return lambda *xs: pytree.tree_unflatten(direct([*xs, *constants]), spec)
+    tensor (`tensor_inputs`, as they were at the compile). `bind(inputs)`: the same over
+    fixed inputs, as a function of no arguments (CpuGraph's replay)."""
+
+    def __init__(
+        self,
+        fn: Callable[[list], list],
+        constants: list[torch.Tensor],
+        spec: pytree.TreeSpec,
+        tensor_inputs: bool,
+    ) -> None:
+        self._fn = fn
+        self._direct = entry_call(fn) if tensor_inputs else fn
+        self._constants = constants
+        self._spec = spec
+        self._tensor_inputs = tensor_inputs
+
+    def __call__(self, *xs: torch.Tensor) -> object:
+        return pytree.tree_unflatten(self._direct([*xs, *self._constants]), self._spec)
+
+    def bind(self, xs: Sequence[torch.Tensor]) -> Callable[[], object]:
+        """The C++ entry bound to aliases of `xs` and the weights (inductor_cpp.bind_entry),
+        checked once against a plain call; a plain call of `xs` where it cannot be bound
+        or gives other outputs."""
+        plain = functools.partial(self, *xs)
+        if not self._tensor_inputs:
+            return plain
+        spec = self._spec
+        bound = bind_entry(self._fn, [*xs, *self._constants], spec.num_leaves)
+        if bound is None:
+            return plain
+        with torch.no_grad():
+            expected = pytree.tree_leaves(plain())
+            got = bound()
+        if len(got) != len(expected) or not all(
+            isinstance(a, torch.Tensor) and torch.equal(a, b)
+            for a, b in zip(got, expected, strict=True)
+        ):
+            logger.warning("a graph's bound C++ entry gave other outputs; calling it plainly")
+            return plain
+        return lambda: pytree.tree_unflatten(bound(), spec)
 
 
 def _load_indexed(
@@ -275,27 +317,39 @@ class CpuGraph(DeviceGraph):
         # A compiled graph returns a list even for one tensor; give back what fn returns.
         self._single_output = not isinstance(output.args[0], (tuple, list))
         self._pending: Callable[[], Callable[..., object]] | None = None
+        # What a replay calls: the callable over the bound inputs, once finished.
+        self._bound: Callable[[], object] = self._finish_then_run
         if use_inductor:
             # With `defer`, its C++ builds while the caller compiles the next graph;
             # finish() waits for it and runs it once, so a failure still shows at start-up.
-            # Until then the callable is one that finishes first (a replay before it).
+            # Until then a replay finishes first.
             self._pending = start_inductor_compile(self.graph_module, inputs, inductor_options)
             self._callable = self._finish_then_call
             if not defer:
                 self.finish()
         else:
             self._callable = self.graph_module
+            self._bound = functools.partial(self.graph_module, *self.inputs)
             self._run()  # one run now, so a failure shows at start-up
 
     def finish(self) -> None:
         if self._pending is not None:
             self._callable = self._pending()
             self._pending = None
+            bind = getattr(self._callable, "bind", None)
+            if bind is not None:
+                self._bound = bind(self.inputs)
+            else:
+                self._bound = functools.partial(self._callable, *self.inputs)
 
     def _finish_then_call(self, *inputs: torch.Tensor) -> object:
         self.finish()
         return self._callable(*inputs)
 
+    def _finish_then_run(self) -> object:
+        self.finish()
+        return self._bound()
+
     def _run(self) -> Any:
-        out = self._callable(*self.inputs)
+        out = self._bound()
         return out[0] if self._single_output and isinstance(out, (list, tuple)) else out

@@ -5,7 +5,9 @@ has the compiler build it and loads the library. `cpp_builds_in_background` lets
 module load at once while the compiler runs in a thread (the C++ wrapper and its kernels
 side by side), so the next graph lowers meanwhile; the entry function waits for its
 build on its first call. `entry_call` calls a module's C++ entry with its inputs'
-handles, without the module's Python loop over them.
+handles, without the module's Python loop over them; `bind_entry` binds the entry to a
+graph's inputs once (csrc/graph_entry.h: aliases without Python objects), so that a
+replay makes no handle from a Python tensor at all.
 
 Both lean on Inductor's code cache (`CppWrapperCodeCache.load_pybinding_async`,
 `codecache._worker_compile_cpp`) and on the generated module's globals; where those are
@@ -15,13 +17,19 @@ missing, a module builds as it loads and is called through its `call`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+# inductor_entry_impl(AtenTensorHandle* inputs, AtenTensorHandle* outputs), as the C++
+# wrapper module defines it.
+_ENTRY_IMPL_SYMBOL = "_Z19inductor_entry_implPP16AtenTensorOpaqueS1_"
 
 # The threads that run Inductor's C++ builds under cpp_builds_in_background.
 _build_pool: ThreadPoolExecutor | None = None
@@ -137,3 +145,63 @@ def entry_call(call: Callable[[list], list]) -> Callable[[list], list]:
     if isinstance(entry, _PendingEntry):
         entry = entry.resolve()
     return lambda args: from_handles(entry(to_handles(args)))
+
+
+def bind_entry(
+    call: Callable[[list], list], args: Sequence[torch.Tensor], num_outputs: int
+) -> Callable[[], list] | None:
+    """`call` (a C++ wrapper module's `call`) bound to `args`: a function of no arguments
+    that runs the module's C++ entry over aliases of `args` made now, and returns the
+    list of its `num_outputs` outputs. None where it cannot be bound (another kind of
+    module, its entry not found, or decodegraph's CPU operators not loaded): call `call`.
+    The aliases are freed with the function."""
+    from decodegraph import native
+
+    namespace = getattr(call, "__globals__", {})
+    entry = namespace.get("inductor_entry")
+    ops = native.load_cpu_ops()
+    if namespace.get("call") is not call or entry is None or ops is None:
+        return None
+    if not hasattr(ops, "graph_entry_make"):
+        return None
+    if isinstance(entry, _PendingEntry):
+        entry = entry.resolve()
+    path = getattr(getattr(entry, "__self__", None), "__file__", None)
+    if not isinstance(path, str):
+        return None
+    try:
+        impl = ctypes.cast(getattr(ctypes.CDLL(path), _ENTRY_IMPL_SYMBOL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    if not impl:
+        return None
+    handle = ops.graph_entry_make(list(args), impl, num_outputs)
+    caller = _entry_caller(ops.graph_entry_caller())
+    bound = _BoundEntry(caller, handle)
+    weakref.finalize(bound, ops.graph_entry_free, handle)
+    return bound
+
+
+_caller_type = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p)
+_callers: dict[int, Any] = {}
+
+
+def _entry_caller(address: int) -> Any:
+    """decodegraph_graph_entry_call, through a prototype that keeps the GIL (the entry
+    releases it itself) and raises the Python error it sets."""
+    if address not in _callers:
+        _callers[address] = _caller_type(address)
+    return _callers[address]
+
+
+class _BoundEntry:
+    """A module's C++ entry bound to its inputs' aliases (bind_entry)."""
+
+    __slots__ = ("__weakref__", "_call", "_handle")
+
+    def __init__(self, call: Any, handle: int) -> None:
+        self._call = call
+        self._handle = ctypes.c_void_p(handle)
+
+    def __call__(self) -> list:
+        return self._call(self._handle)

@@ -427,6 +427,86 @@ def test_a_cpp_wrapper_graph_is_called_through_its_entry_and_gives_the_modules_o
     assert not [c for c in codes if c.co_filename == module.__file__]  # no frame of the module
 
 
+def _cpp_wrapper_graph(x: torch.Tensor, w: torch.Tensor) -> tuple[CpuGraph, object]:
+    """A C++ wrapper graph of _affine over x and w, and its module."""
+    import sys
+
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache():
+        graph = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
+        modules = [m for m in list(sys.modules.values()) if hasattr(m, "inductor_entry")]
+    return graph, modules[-1]
+
+
+def test_a_replay_calls_the_entry_bound_to_its_inputs_and_makes_no_handle_from_python(
+    cpu_ops: object,
+) -> None:
+    """A replay runs the module's C++ entry over aliases of its inputs made once: neither
+    the module's pybind entry nor torch's handle-making from Python tensors runs, and the
+    values written into the inputs since are the ones it reads."""
+    import sys
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph, module = _cpp_wrapper_graph(x, w)
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+    builtins: list[object] = []
+    sys.setprofile(lambda frame, event, arg: builtins.append(arg) if event == "c_call" else None)
+    try:
+        outs = []
+        for _ in range(3):
+            x.copy_(torch.randn(4, 8))
+            w.mul_(-1)
+            outs.append((graph.replay(), _affine(x, w)))
+    finally:
+        sys.setprofile(None)
+    for got, want in outs:
+        torch.testing.assert_close(got, want)
+    names = {getattr(b, "__name__", "") for b in builtins}
+    assert "unsafe_alloc_void_ptrs_from_tensors" not in names
+    assert "inductor_entry_cpp" not in names  # the module's pybind entry
+
+
+def test_a_bound_entry_gives_the_modules_outputs_and_frees_its_aliases_with_the_graph(
+    cpu_ops: object,
+) -> None:
+    import gc
+
+    from decodegraph.platforms import inductor_cpp
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph, module = _cpp_wrapper_graph(x, w)
+    uses = torch._C._storage_Use_Count(w.untyped_storage()._cdata)
+    bound = inductor_cpp.bind_entry(module.call, [x, w], 1)
+    assert bound is not None
+    assert torch._C._storage_Use_Count(w.untyped_storage()._cdata) == uses + 1  # its alias
+    (out,) = bound()
+    torch.testing.assert_close(out, module.call([x, w])[0])
+    del bound
+    gc.collect()
+    assert torch._C._storage_Use_Count(w.untyped_storage()._cdata) == uses
+    del graph
+    gc.collect()
+    assert torch._C._storage_Use_Count(w.untyped_storage()._cdata) < uses
+
+
+def test_an_entry_bound_with_too_few_outputs_is_refused_not_overrun(cpu_ops: object) -> None:
+    from decodegraph.platforms import inductor_cpp
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    _, module = _cpp_wrapper_graph(x, w)
+    bound = inductor_cpp.bind_entry(module.call, [x, w], 0)
+    with pytest.raises(RuntimeError, match="more outputs than it was bound with"):
+        bound()
+
+
+def test_a_module_without_a_cpp_entry_is_not_bound() -> None:
+    from decodegraph.platforms import inductor_cpp
+
+    not_a_module = lambda args: args  # noqa: E731 - a plain function, no entry beside it
+    assert inductor_cpp.bind_entry(not_a_module, [torch.ones(1)], 1) is None
+
+
 def test_a_python_wrapper_graph_is_called_through_its_modules_call() -> None:
     from torch._inductor.utils import fresh_cache
 

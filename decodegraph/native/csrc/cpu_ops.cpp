@@ -27,6 +27,10 @@
 // cpu_allocator_*: the caching allocator for CPU tensors (csrc/cpu_allocator.h), put in
 // front of c10's default by the CPU platform: install with a cap in bytes (0: take it
 // out again), its statistics, and freeing what it holds.
+//
+// graph_entry_make, graph_entry_free: a compiled graph's C++ entry bound to aliases of
+// its inputs (csrc/graph_entry.h), as an address; graph_entry_caller: the address of the
+// C function that calls one (decodegraph_graph_entry_call).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,6 +43,7 @@
 
 #include "activation.h"
 #include "cpu_allocator.h"
+#include "graph_entry.h"
 #include "linear.h"
 #include "paged_attention.h"
 #include "rms_norm.h"
@@ -339,6 +344,22 @@ std::vector<int64_t> cpu_allocator_stats() {
 
 void cpu_allocator_trim() { CachingCpuAllocator::instance().trim(); }
 
+int64_t graph_entry_make(const std::vector<at::Tensor>& inputs, int64_t impl,
+                         int64_t num_outputs) {
+    TORCH_CHECK(impl != 0 && num_outputs >= 0, "graph_entry_make: no entry, or outputs < 0");
+    auto* e = new GraphEntry{reinterpret_cast<GraphEntry::Impl>(impl), {}, num_outputs};
+    e->inputs.reserve(inputs.size());
+    for (const auto& t : inputs) {
+        TORCH_CHECK(t.defined() && t.has_storage(), "graph_entry_make: an input has no storage");
+        e->inputs.push_back(alias_of(t));
+    }
+    return reinterpret_cast<int64_t>(e);
+}
+
+void graph_entry_free(int64_t entry) { delete reinterpret_cast<GraphEntry*>(entry); }
+
+int64_t graph_entry_caller() { return reinterpret_cast<int64_t>(&decodegraph_graph_entry_call); }
+
 }  // namespace
 
 TORCH_LIBRARY(decodegraph_cpu, m) {
@@ -347,6 +368,10 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("cpu_allocator_install(int cap_bytes) -> ()", &cpu_allocator_install);
     m.def("cpu_allocator_stats() -> int[]", &cpu_allocator_stats);
     m.def("cpu_allocator_trim() -> ()", &cpu_allocator_trim);
+    m.def("graph_entry_make(Tensor[] inputs, int impl, int num_outputs) -> int",
+          &graph_entry_make);
+    m.def("graph_entry_free(int entry) -> ()", &graph_entry_free);
+    m.def("graph_entry_caller() -> int", &graph_entry_caller);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");

@@ -1,0 +1,96 @@
+// A compiled CPU graph's C++ entry, called over inputs bound once (platforms/
+// inductor_cpp.py's bound entries).
+//
+// Inductor's C++ wrapper module exposes `inductor_entry_impl(inputs, outputs)`: it takes
+// ownership of one tensor handle per input and releases each as soon as the graph is done
+// with it. Made from the Python tensors at every call (`unsafe_alloc_void_ptrs_from_tensors`),
+// each handle is a reference to a tensor that Python owns: converting the list costs a
+// pybind cast per tensor, and each release, made after the entry has let the GIL go, takes
+// the GIL back to drop the Python reference. A graph's inputs are the same tensors at every
+// replay (persistent buffers, weights), so a GraphEntry holds an alias of each, made once:
+// a tensor of its own over the same memory (same storage, offset, sizes and strides) with
+// no Python object, whose handles are plain reference counts. A replay reads whatever was
+// written into that memory, as a device graph does; a tensor that later replaces an input
+// is not seen (it was not seen before either: the graph runner checks the addresses).
+#ifndef DECODEGRAPH_GRAPH_ENTRY_H
+#define DECODEGRAPH_GRAPH_ENTRY_H
+
+#include <ATen/core/Tensor.h>
+#include <Python.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+// libtorch_python's tensor -> Python object (torch/csrc/autograd/python_variable.h, whose
+// pybind11 includes would double this library's build time).
+PyObject* THPVariable_Wrap(const at::TensorBase& var);
+
+namespace decodegraph {
+
+struct GraphEntry {
+    using Impl = void (*)(AtenTensorHandle*, AtenTensorHandle*);
+    Impl impl;
+    std::vector<at::Tensor> inputs;  // aliases without Python objects
+    int64_t num_outputs;
+};
+
+// An alias of t: another tensor object over the same memory and layout.
+inline at::Tensor alias_of(const at::Tensor& t) {
+    at::Tensor a = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(t.storage()), t.key_set(), t.dtype());
+    a.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(),
+                                                   t.storage_offset());
+    return a;
+}
+
+}  // namespace decodegraph
+
+// Called through a ctypes PYFUNCTYPE prototype (the GIL held; the entry releases it while
+// it runs): the graph's outputs as a list of tensors (None where the graph returns no
+// tensor), or NULL with a Python RuntimeError set. The output array has room for
+// kOutputSlack handles past num_outputs: an entry that writes there returned more than
+// its graph was bound with, which is refused rather than written past the array.
+constexpr size_t kOutputSlack = 16;
+
+extern "C" inline PyObject* decodegraph_graph_entry_call(void* entry) {
+    auto* e = static_cast<decodegraph::GraphEntry*>(entry);
+    const size_t n = static_cast<size_t>(e->num_outputs);
+    std::vector<AtenTensorHandle> in(e->inputs.size());
+    std::vector<AtenTensorHandle> out(n + kOutputSlack, nullptr);
+    for (size_t i = 0; i < in.size(); i++)
+        in[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(e->inputs[i]));
+    try {
+        e->impl(in.data(), out.data());  // takes the input handles
+    } catch (const std::exception& err) {
+        PyErr_SetString(PyExc_RuntimeError, err.what());
+        return nullptr;
+    } catch (...) {
+        PyErr_SetString(PyExc_RuntimeError, "a compiled graph's entry failed");
+        return nullptr;
+    }
+    std::vector<at::Tensor> tensors(out.size());
+    bool extra = false;
+    for (size_t i = 0; i < out.size(); i++) {
+        if (out[i] == nullptr)
+            continue;
+        auto* t = reinterpret_cast<at::Tensor*>(out[i]);
+        tensors[i] = std::move(*t);
+        delete t;
+        extra = extra || i >= n;
+    }
+    if (extra) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "a compiled graph's entry returned more outputs than it was bound with");
+        return nullptr;
+    }
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+    for (size_t i = 0; i < n; i++) {
+        PyObject* item = tensors[i].defined() ? THPVariable_Wrap(tensors[i]) : Py_NewRef(Py_None);
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+    }
+    return list;
+}
+
+#endif
