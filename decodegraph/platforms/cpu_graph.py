@@ -234,7 +234,24 @@ class _FlatCall:
         ):
             logger.warning("a graph's bound C++ entry gave other outputs; calling it plainly")
             return plain
-        return lambda: pytree.tree_unflatten(bound(), spec)
+        unflatten = _unflattener(spec)
+        return lambda: unflatten(bound())
+
+
+def _unflattener(spec: pytree.TreeSpec) -> Callable[[list], object]:
+    """`pytree.tree_unflatten(leaves, spec)` as a function of the leaves, without the
+    tree walk where the spec is one tensor or a flat tuple or list of them (a graph's
+    outputs)."""
+    if spec.is_leaf():
+        return lambda leaves: leaves[0]
+    children = [spec.child(i) for i in range(spec.num_children)] if hasattr(spec, "child") else []
+    if spec.type in (tuple, list) and children and all(c.is_leaf() for c in children):
+        return spec.type
+    return functools.partial(_unflatten, spec=spec)
+
+
+def _unflatten(leaves: list, spec: pytree.TreeSpec) -> object:
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _load_indexed(

@@ -12,6 +12,7 @@ tokens to the states.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -51,6 +52,18 @@ logger = logging.getLogger(__name__)
 
 # Prompt positions scored at once: bounds their logits to this many [vocab] rows.
 _PROMPT_LOGPROBS_SLICE = 512
+
+
+def _in_inference_mode(fn):  # noqa: ANN001, ANN202 - a decorator of one method
+    """`@torch.inference_mode()` for the per-step method: the same guard, without the
+    decorator's context object built, entered and left in Python at every call."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with torch._C._InferenceMode(True):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class ModelRunner:
@@ -243,7 +256,7 @@ class ModelRunner:
             so.req_ids, states, so.num_scheduled_tokens, mode, key, self.buffers
         )
 
-    @torch.inference_mode()
+    @_in_inference_mode
     def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> ModelRunnerOutput:
         """One step. `plan` is the driver's dispatch (runtime mode and padded key): every
         rank runs it, or refuses the step if its own graphs say otherwise (no rank ever

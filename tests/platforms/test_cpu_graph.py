@@ -518,3 +518,25 @@ def test_a_python_wrapper_graph_is_called_through_its_modules_call() -> None:
     torch.testing.assert_close(graph.replay(), _affine(x, w))
     not_a_module = lambda args: args  # noqa: E731 - a plain function, no entry beside it
     assert inductor_cpp.entry_call(not_a_module) is not_a_module
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        torch.ones(1),
+        (torch.ones(1), torch.zeros(2)),
+        [torch.ones(1)],
+        {"a": torch.ones(1)},
+        (torch.ones(1), (torch.ones(2),)),
+    ],
+    ids=["leaf", "tuple", "list", "dict", "nested"],
+)
+def test_the_replay_unflattener_rebuilds_every_output_structure(tree: object) -> None:
+    from torch.utils import _pytree as pytree
+
+    from decodegraph.platforms.cpu_graph import _unflattener
+
+    leaves, spec = pytree.tree_flatten(tree)
+    out = _unflattener(spec)(leaves)
+    assert pytree.tree_structure(out) == spec
+    assert all(a is b for a, b in zip(pytree.tree_leaves(out), leaves, strict=True))
