@@ -73,6 +73,13 @@ def test_a_request_above_the_largest_class_passes_through(allocator: object) -> 
     assert after["cached"] == before["cached"]
 
 
+def test_an_empty_tensor_is_left_to_c10_as_before(allocator: object) -> None:
+    before = _stats(allocator)
+    empty = torch.empty(0)
+    assert _stats(allocator)["passed"] == before["passed"] + 1
+    assert empty.data_ptr() == 0
+
+
 def test_no_more_than_the_cap_is_kept(allocator: object) -> None:
     allocator.cpu_allocator_trim()
     allocator.cpu_allocator_install(1 << 20)

@@ -6,15 +6,15 @@
 // few dozen buffers per decode step. c10's default allocator asks glibc for each one
 // with posix_memalign (64-byte alignment), which never uses glibc's per-thread cache:
 // every allocation and free takes the arena lock, and a request of 1 KiB or more first
-// consolidates the fast bins. That was about a fifth of a small model's batch-1 replay
+// consolidates the fast bins: a large share of a small model's batch-1 replay
 // (docs/performance.md). Here a freed block goes on a free list of its size class and
 // the next request of that class takes it back (a push or a pop under one spin lock).
 //
 // Blocks: a 64-byte header, then the data (64-byte aligned, as c10's own allocator
-// gives). The header holds the class and the free-list link. Requests above kMaxBlock,
-// and blocks freed while the cache holds its cap, go to and from c10's allocator as
-// before. Classes: multiples of 64 bytes up to 1 KiB, then four per power of two (at
-// most 25 % over the request).
+// gives). The header holds the class and the free-list link. Empty requests and those
+// above kMaxBlock go to c10's allocator as before; a block freed while the cache holds
+// its cap goes back to the system. Classes: multiples of 64 bytes up to 1 KiB, then four
+// per power of two (at most 25 % over the request).
 #ifndef DECODEGRAPH_CPU_ALLOCATOR_H
 #define DECODEGRAPH_CPU_ALLOCATOR_H
 
@@ -85,7 +85,7 @@ class CachingCpuAllocator final : public c10::Allocator {
     bool installed() const { return installed_; }
 
     c10::DataPtr allocate(size_t n) override {
-        if (n > kMaxBlock || cap_.load(std::memory_order_relaxed) == 0) {
+        if (n == 0 || n > kMaxBlock || cap_.load(std::memory_order_relaxed) == 0) {
             passed_through_.fetch_add(1, std::memory_order_relaxed);
             return previous_->allocate(n);
         }
