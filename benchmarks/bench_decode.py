@@ -27,6 +27,15 @@ Prints tables and saves JSON under benchmarks/results/.
     python benchmarks/bench_decode.py                       # every mode, every peer
     python benchmarks/bench_decode.py --modes NONE FULL_DECODE_ONLY --peers ctranslate2
     python benchmarks/bench_decode.py --modes FULL_DECODE_ONLY --mid-size --skip-throughput
+
+On an AVX-512 machine, every side can be held to AVX2 code (what an AVX2-only CPU runs,
+on this machine's caches and memory): torch's kernels and Inductor's generated code
+(ATEN_CPU_CAPABILITY), MKL, oneDNN, our operators (DECODEGRAPH_CPU_ISA), CTranslate2
+(CT2_FORCE_CPU_ISA) and llama2.c (--llama2c-march):
+
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
+    DECODEGRAPH_CPU_ISA=avx2 CT2_FORCE_CPU_ISA=AVX2 \\
+        python benchmarks/bench_decode.py --llama2c-march x86-64-v3
 """
 
 from __future__ import annotations
@@ -150,7 +159,12 @@ def batch_prompts(num_requests: int) -> list[list[int]]:
 
 
 def build_peers(
-    names: list[str], model_dir: Path, dtype: torch.dtype, threads: int, work: Path
+    names: list[str],
+    model_dir: Path,
+    dtype: torch.dtype,
+    threads: int,
+    work: Path,
+    llama2c_march: str = "native",
 ) -> tuple[list[Side], dict[str, str]]:
     """The peers that run here, and for each one that does not, why."""
     sides: list[Side] = []
@@ -162,7 +176,7 @@ def build_peers(
             elif name == "llama2.c":
                 if model_dir.resolve() != DEFAULT_MODEL.resolve():
                     raise peers.PeerUnavailable("only stories260K exists in llama2.c's format")
-                sides.append(peers.Llama2cSide(work))
+                sides.append(peers.Llama2cSide(work, march=llama2c_march))
             elif name == "transformers":
                 sides.append(peers.TransformersSide(model_dir, dtype))
             else:
@@ -288,6 +302,12 @@ def main() -> None:
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--no-inductor", action="store_true", help="CPU graphs replay the raw trace")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads, every side")
+    p.add_argument(
+        "--llama2c-march",
+        default="native",
+        help="gcc -march for llama2.c (x86-64-v3: AVX2 code, to run beside the AVX2-only "
+        "environment of the docstring)",
+    )
     g = p.add_argument_group("mid-size model (Qwen2.5-0.5B-shaped, random weights)")
     g.add_argument("--mid-size", action="store_true", help="add its rows")
     g.add_argument("--mid-only", action="store_true", help="skip --model's rows")
@@ -371,7 +391,9 @@ def main() -> None:
             EngineSide(str(path), m, not args.no_inductor, **engine_kwargs)
             for m in dict.fromkeys(modes)
         ]
-        others, skipped = build_peers(peer_names, path, dtype, args.threads, work)
+        others, skipped = build_peers(
+            peer_names, path, dtype, args.threads, work, args.llama2c_march
+        )
         rows = bench_model(path, dtype, engines, others, bandwidth_gbs=bw.floor_gbs, **workload)
         for name, reason in skipped.items():
             rows.setdefault("_skipped", {})[name] = reason

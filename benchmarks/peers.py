@@ -260,21 +260,21 @@ class CTranslate2Side:
 
 
 class Llama2cSide:
-    """llama2.c's `run.c`, built here with gcc -O3 -march=native (no OpenMP: one thread),
-    on stories260K in its own format; its printed "achieved tok/s" (from the second
-    token on). Batch 1 only."""
+    """llama2.c's `run.c`, built here with gcc -O3 -march=`march` (native by default; no
+    OpenMP: one thread), on stories260K in its own format; its printed "achieved tok/s"
+    (from the second token on). Batch 1 only."""
 
     name = "llama2.c"
 
-    def __init__(self, work: Path, source: Path = LLAMA2C_DIR) -> None:
+    def __init__(self, work: Path, source: Path = LLAMA2C_DIR, march: str = "native") -> None:
         gcc = shutil.which("gcc")
         if gcc is None:
             raise PeerUnavailable("gcc is not on PATH")
         if not (source / "run.c").exists():
             raise PeerUnavailable(f"no llama2.c sources at {source}")
         self.source = source
-        self.binary = work / "llama2c_run"
-        cmd = [gcc, "-O3", "-march=native", "-o", str(self.binary), str(source / "run.c"), "-lm"]
+        self.binary = work / ("llama2c_run" if march == "native" else f"llama2c_run_{march}")
+        cmd = [gcc, "-O3", f"-march={march}", "-o", str(self.binary), str(source / "run.c"), "-lm"]
         built = subprocess.run(cmd, capture_output=True, text=True)
         if built.returncode != 0:
             raise PeerUnavailable(f"building run.c failed: {built.stderr.strip()[-300:]}")
