@@ -683,3 +683,32 @@ def test_bfloat16_mixed_batch_matches_the_reference(kernel: str) -> None:
     backend = make_backend(kernel, 8, 2, 16, block_size=16, max_model_len=64)
     case = make_bfloat16_case(backend, [(0, 20), (30, 1), (5, 12)])
     check_bfloat16(case, run(case))
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_large_enough_to_fetch_ahead_matches_the_reference(
+    dtype: str, window: int | None
+) -> None:
+    """Decode rows whose K and V pass the native operator's fetch-ahead size (1 MiB per
+    layer; here 12 decodes of about 240 positions, 8 KV heads of 64: 2.4 MiB and more in
+    every case), with a prefill between them (no fetch-ahead into or out of it) and
+    scattered blocks: the same results as the reference."""
+    require_native_op()
+    backend = make_backend(
+        "native",
+        16,
+        8,
+        64,
+        block_size=16,
+        max_model_len=256,
+        sliding_window=window,
+        num_blocks=220,
+    )
+    reqs = [(230 + 3 * i, 1) for i in range(6)] + [(0, 9)] + [(250 - i, 1) for i in range(6)]
+    if dtype == "bfloat16":
+        case = make_bfloat16_case(backend, reqs)
+        check_bfloat16(case, run(case))
+    else:
+        case = make_case(backend, reqs)
+        check(case, run(case))

@@ -277,6 +277,30 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
     }
 }
 
+// Ask the memory system for one KV head's K and V tiles (`off` elements into each block)
+// over blocks [b0, b1): every cache line of them at once, so that their misses overlap.
+inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32_t* bt,
+                           int64_t b0, int64_t b1, int64_t tile_stride, int64_t off,
+                           int64_t tile, size_t elem) {
+    const char *kc = static_cast<const char*>(k_cache), *vc = static_cast<const char*>(v_cache);
+    const int64_t e = static_cast<int64_t>(elem), bytes = tile * e;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t at = (static_cast<int64_t>(bt[b]) * tile_stride + off) * e;
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kc + at + o);
+            __builtin_prefetch(vc + at + o);
+        }
+    }
+}
+
+// What a decode row fetches ahead (paged_attention_requests): while it attends one KV
+// head, the next head's tiles; while it attends its last, the next row's first head's
+// (`bt` null: none).
+struct Lookahead {
+    const int32_t* bt;
+    int64_t start, len;
+};
+
 // One token's row: each KV head with its query heads, in groups of at most
 // kMaxGroupAcc / d heads. float32 shapes we know get constant d and G, at block size 16
 // and at any other; bf16 rows are converted to float32 per group, and the output rounded
@@ -284,13 +308,21 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
 inline void attend_row(const void* q_row, void* o_row, const void* k_cache, const void* v_cache,
                        const int32_t* bt, int64_t start, int64_t len, int64_t num_heads,
                        int64_t g, int64_t d, int64_t bs, int64_t tile_stride, float scale,
-                       float softcap, float* sc, int64_t sc_stride, int bf16) {
+                       float softcap, float* sc, int64_t sc_stride, int bf16,
+                       const Lookahead* ahead) {
     const int64_t tile = d * bs;
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t fit = kMaxGroupAcc / d > 1 ? kMaxGroupAcc / d : 1;
     const int64_t max_g = fit < kMaxGroup ? fit : kMaxGroup;
     float qf[kMaxGroupAcc > kMaxHead ? kMaxGroupAcc : kMaxHead], of[sizeof qf / sizeof(float)];
     for (int64_t h = 0; h < num_heads; h += g) {
         const int64_t off = (h / g) * tile;
+        if (ahead != nullptr && h + g < num_heads)
+            prefetch_tiles(k_cache, v_cache, bt, start / bs, (len + bs - 1) / bs, tile_stride,
+                           off + tile, tile, elem);
+        else if (ahead != nullptr && ahead->bt != nullptr)
+            prefetch_tiles(k_cache, v_cache, ahead->bt, ahead->start / bs,
+                           (ahead->len + bs - 1) / bs, tile_stride, 0, tile, elem);
         for (int64_t h0 = h; h0 < h + g; h0 += max_g) {
             const int64_t G = h + g - h0 < max_g ? h + g - h0 : max_g;
             if (bf16) {
@@ -380,27 +412,62 @@ inline int paged_attention_begin(const paged_attention_step *a)
     return 0;
 }
 
+// Below this many bytes of K and V per layer, a step's caches are taken to be in the
+// core's own caches, where fetching ahead only adds instructions.
+constexpr int64_t kLookaheadBytes = int64_t{1} << 20;
+
 // Attend every token of requests [r0, r1) (after paged_attention_begin), with `work`
-// holding one thread's workspace.
+// holding one thread's workspace. Where their K and V are large (kLookaheadBytes), each
+// decode row fetches ahead (Lookahead): blocks are scattered, so the hardware prefetchers
+// cannot see the next tile coming, and each tile's first loads would otherwise wait on
+// memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
                                      float* work) {
     const int64_t d = a->head_size, g = a->num_heads / a->num_kv_heads, bs = a->block_size;
     const size_t elem = a->bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t row_bytes = static_cast<size_t>(a->num_heads * d) * elem;
+    const int64_t tile_stride = a->num_kv_heads * d * bs;
+    // Token t of request r sees the context up to and including its own position (len
+    // of them), or within a sliding window the last `window` of those.
+    auto span = [a](int64_t r, int64_t t, int64_t* start, int64_t* len) DG_INLINE {
+        *len = a->seq_lens[r] - (a->query_start_loc[r + 1] - 1 - t);
+        *start = a->window > 0 && *len > a->window ? *len - a->window : 0;
+    };
+    int64_t kv_bytes = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t start, len;
+        span(r, a->query_start_loc[r + 1] - 1, &start, &len);
+        kv_bytes += (len - start) * tile_stride / bs * 2 * static_cast<int64_t>(elem);
+    }
+    const bool fetch_ahead = kv_bytes >= kLookaheadBytes;
+    // A decode row (its request's only new token) and the row after it, if that is one too.
+    auto decode = [a](int64_t r) DG_INLINE {
+        return a->query_start_loc[r + 1] - a->query_start_loc[r] == 1;
+    };
     const uint64_t fp_mode = flush_denormals();
+    if (fetch_ahead && r0 < r1 && decode(r0)) {  // the first row's first head: no row before
+        int64_t start, len;
+        span(r0, a->query_start_loc[r0], &start, &len);
+        prefetch_tiles(a->k_cache, a->v_cache, a->block_tables + r0 * a->bt_stride, start / bs,
+                       (len + bs - 1) / bs, tile_stride, 0, d * bs, elem);
+    }
     for (int64_t r = r0; r < r1; r++) {
         const int32_t* bt = a->block_tables + r * a->bt_stride;
         const int64_t first = a->query_start_loc[r], end = a->query_start_loc[r + 1];
-        // Token t sees the context up to and including its own position (len of them),
-        // or within a sliding window the last `window` of those.
+        Lookahead ahead{nullptr, 0, 0};
+        const bool look = fetch_ahead && decode(r);
+        if (look && r + 1 < r1 && decode(r + 1)) {
+            ahead.bt = a->block_tables + (r + 1) * a->bt_stride;
+            span(r + 1, a->query_start_loc[r + 1], &ahead.start, &ahead.len);
+        }
         for (int64_t t = first; t < end; t++) {
-            const int64_t len = a->seq_lens[r] - (end - 1 - t);
-            const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+            int64_t start, len;
+            span(r, t, &start, &len);
             const void* q = static_cast<const char*>(a->q) + t * a->q_stride * elem;
             void* o = static_cast<char*>(a->out) + t * row_bytes;
-            const int64_t tile_stride = a->num_kv_heads * d * bs;
             attend_row(q, o, a->k_cache, a->v_cache, bt, start, len, a->num_heads, g, d, bs,
-                       tile_stride, a->scale, a->softcap, work, a->max_len, a->bf16);
+                       tile_stride, a->scale, a->softcap, work, a->max_len, a->bf16,
+                       look ? &ahead : nullptr);
         }
     }
     restore_fp_mode(fp_mode);
