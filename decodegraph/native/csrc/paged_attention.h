@@ -76,20 +76,22 @@ inline int check_metadata(const int64_t *slot_mapping, const int32_t *block_tabl
 }
 
 // Copy each new token's K/V row into its cache slot: element c = head * d + dim of the
-// row goes to tile c / d, row c % d, lane slot % block_size. `elem` bytes per value.
-inline void write_new_kv(char *k_cache, char *v_cache, const char *k, const char *v,
+// row goes to tile c / d, row c % d, lane slot % block_size. T: the element type (one
+// move per value; a memcpy of a runtime size per value became a byte loop).
+template <class T>
+inline void write_new_kv(T *k_cache, T *v_cache, const T *k, const T *v,
                          const int64_t *slot_mapping, int64_t num_tokens, int64_t k_stride,
-                         int64_t v_stride, int64_t row, int64_t bs, int64_t tile_stride,
-                         size_t elem)
+                         int64_t v_stride, int64_t row, int64_t bs, int64_t tile_stride)
 {
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t s = slot_mapping[t];
         if (s < 0)
             continue;  // a padded row
         const int64_t at = (s / bs) * tile_stride + s % bs;
+        const T *kt = k + t * k_stride, *vt = v + t * v_stride;
         for (int64_t c = 0; c < row; c++) {
-            memcpy(k_cache + (at + c * bs) * elem, k + (t * k_stride + c) * elem, elem);
-            memcpy(v_cache + (at + c * bs) * elem, v + (t * v_stride + c) * elem, elem);
+            k_cache[at + c * bs] = kt[c];
+            v_cache[at + c * bs] = vt[c];
         }
     }
 }
@@ -404,9 +406,16 @@ inline int paged_attention_begin(const paged_attention_step *a)
     if (bad)
         return bad;
     const int64_t num_tokens = a->query_start_loc[a->num_reqs];
-    write_new_kv((char *)a->k_cache, (char *)a->v_cache, (const char *)a->k,
-                 (const char *)a->v, a->slot_mapping, num_tokens, a->k_stride, a->v_stride,
-                 kvh * d, bs, kvh * d * bs, elem);
+    if (a->bf16)
+        write_new_kv(static_cast<uint16_t *>(a->k_cache), static_cast<uint16_t *>(a->v_cache),
+                     static_cast<const uint16_t *>(a->k), static_cast<const uint16_t *>(a->v),
+                     a->slot_mapping, num_tokens, a->k_stride, a->v_stride, kvh * d, bs,
+                     kvh * d * bs);
+    else
+        write_new_kv(static_cast<float *>(a->k_cache), static_cast<float *>(a->v_cache),
+                     static_cast<const float *>(a->k), static_cast<const float *>(a->v),
+                     a->slot_mapping, num_tokens, a->k_stride, a->v_stride, kvh * d, bs,
+                     kvh * d * bs);
     memset((char *)a->out + num_tokens * row_bytes, 0,
            (size_t)(a->num_rows - num_tokens) * row_bytes);
     return 0;
