@@ -500,6 +500,27 @@ def test_an_entry_bound_with_too_few_outputs_is_refused_not_overrun(cpu_ops: obj
         bound()
 
 
+@pytest.mark.parametrize("bad", ["raises", "other outputs"])
+def test_a_bound_entry_that_fails_its_check_leaves_the_plain_call(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decodegraph.platforms import cpu_graph
+
+    def broken(*args: object) -> object:
+        def call() -> list:
+            if bad == "raises":
+                raise RuntimeError("boom")
+            return [torch.zeros(4, 8)]
+
+        return call
+
+    monkeypatch.setattr(cpu_graph, "bind_entry", broken)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    graph, _ = _cpp_wrapper_graph(x, w)
+    x.copy_(torch.randn(4, 8))
+    torch.testing.assert_close(graph.replay(), _affine(x, w))
+
+
 def test_a_module_without_a_cpp_entry_is_not_bound() -> None:
     from decodegraph.platforms import inductor_cpp
 
