@@ -345,27 +345,21 @@ class CpuGraph(DeviceGraph):
             # finish() waits for it and runs it once, so a failure still shows at start-up.
             # Until then a replay finishes first.
             self._pending = start_inductor_compile(self.graph_module, inputs, inductor_options)
-            self._callable = self._finish_then_call
             if not defer:
                 self.finish()
         else:
-            self._callable = self.graph_module
             self._bound = functools.partial(self.graph_module, *self.inputs)
             self._run()  # one run now, so a failure shows at start-up
 
     def finish(self) -> None:
         if self._pending is not None:
-            self._callable = self._pending()
+            compiled = self._pending()
             self._pending = None
-            bind = getattr(self._callable, "bind", None)
+            bind = getattr(compiled, "bind", None)
             if bind is not None:
                 self._bound = bind(self.inputs)
             else:
-                self._bound = functools.partial(self._callable, *self.inputs)
-
-    def _finish_then_call(self, *inputs: torch.Tensor) -> object:
-        self.finish()
-        return self._callable(*inputs)
+                self._bound = functools.partial(compiled, *self.inputs)
 
     def _finish_then_run(self) -> object:
         self.finish()

@@ -135,16 +135,23 @@ def entry_call(call: Callable[[list], list]) -> Callable[[list], list]:
     tensor of every input that is not one, a handle of each, and hands the handles to
     the module's C++ entry; a graph's inputs are all tensors, so the handles are made
     in one call. For any other module (Inductor's Python wrapper), `call` itself."""
-    namespace = getattr(call, "__globals__", {})
-    entry = namespace.get("inductor_entry")
+    entry = _module_entry(call)
     aoti = getattr(torch._C, "_aoti", None)
     to_handles = getattr(aoti, "unsafe_alloc_void_ptrs_from_tensors", None)
     from_handles = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
-    if namespace.get("call") is not call or entry is None or not (to_handles and from_handles):
+    if entry is None or not (to_handles and from_handles):
         return call
-    if isinstance(entry, _PendingEntry):
-        entry = entry.resolve()
     return lambda args: from_handles(entry(to_handles(args)))
+
+
+def _module_entry(call: Callable[[list], list]) -> Callable[[Any], Any] | None:
+    """The pybind entry function of the C++ wrapper module whose `call` this is (its
+    build waited for), or None for any other function."""
+    namespace = getattr(call, "__globals__", {})
+    entry = namespace.get("inductor_entry")
+    if namespace.get("call") is not call or entry is None:
+        return None
+    return entry.resolve() if isinstance(entry, _PendingEntry) else entry
 
 
 def bind_entry(
@@ -157,15 +164,10 @@ def bind_entry(
     The aliases are freed with the function."""
     from decodegraph import native
 
-    namespace = getattr(call, "__globals__", {})
-    entry = namespace.get("inductor_entry")
+    entry = _module_entry(call)
     ops = native.load_cpu_ops()
-    if namespace.get("call") is not call or entry is None or ops is None:
+    if entry is None or ops is None or not hasattr(ops, "graph_entry_make"):
         return None
-    if not hasattr(ops, "graph_entry_make"):
-        return None
-    if isinstance(entry, _PendingEntry):
-        entry = entry.resolve()
     path = getattr(getattr(entry, "__self__", None), "__file__", None)
     if not isinstance(path, str):
         return None
@@ -176,22 +178,14 @@ def bind_entry(
     if not impl:
         return None
     handle = ops.graph_entry_make(list(args), impl, num_outputs)
-    caller = _entry_caller(ops.graph_entry_caller())
-    bound = _BoundEntry(caller, handle)
+    bound = _BoundEntry(_caller_type(ops.graph_entry_caller()), handle)
     weakref.finalize(bound, ops.graph_entry_free, handle)
     return bound
 
 
+# decodegraph_graph_entry_call's prototype: it keeps the GIL (the entry releases it
+# itself) and raises the Python error the function sets.
 _caller_type = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p)
-_callers: dict[int, Any] = {}
-
-
-def _entry_caller(address: int) -> Any:
-    """decodegraph_graph_entry_call, through a prototype that keeps the GIL (the entry
-    releases it itself) and raises the Python error it sets."""
-    if address not in _callers:
-        _callers[address] = _caller_type(address)
-    return _callers[address]
 
 
 class _BoundEntry:
