@@ -295,6 +295,22 @@ inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32
     }
 }
 
+// Ask for whole blocks (every KV head's K and V) over blocks [b0, b1) into the outer
+// cache levels (L2 on x86 and ARM): a later row's context, fetched while this one is
+// attended. A block of all heads is one contiguous run, unlike one head's tile.
+inline void prefetch_blocks(const void* k_cache, const void* v_cache, const int32_t* bt,
+                            int64_t b0, int64_t b1, int64_t block_stride, size_t elem) {
+    const char *kc = static_cast<const char*>(k_cache), *vc = static_cast<const char*>(v_cache);
+    const int64_t e = static_cast<int64_t>(elem), bytes = block_stride * e;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t at = static_cast<int64_t>(bt[b]) * bytes;
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch(kc + at + o, 0, 2);
+            __builtin_prefetch(vc + at + o, 0, 2);
+        }
+    }
+}
+
 // What a decode row fetches ahead (paged_attention_requests): while it attends one KV
 // head, the next head's tiles; while it attends its last, the next row's first head's
 // (`bt` null: none).
@@ -425,11 +441,17 @@ inline int paged_attention_begin(const paged_attention_step *a)
 // core's own caches, where fetching ahead only adds instructions.
 constexpr int64_t kLookaheadBytes = int64_t{1} << 20;
 
+// How many decode rows ahead a row asks for a later row's blocks (prefetch_blocks): far
+// enough for the memory system to answer before that row starts, near enough that its
+// lines are still in L2 then (docs/performance.md, "rows ahead").
+constexpr int64_t kRowsAhead = 4;
+
 // Attend every token of requests [r0, r1) (after paged_attention_begin), with `work`
-// holding one thread's workspace. Where their K and V are large (kLookaheadBytes), each
-// decode row fetches ahead (Lookahead): blocks are scattered, so the hardware prefetchers
-// cannot see the next tile coming, and each tile's first loads would otherwise wait on
-// memory in turn.
+// holding one thread's workspace. Where their K and V are large (kLookaheadBytes), decode
+// rows fetch ahead at two distances: each row's blocks kRowsAhead rows early into L2
+// (prefetch_blocks), and each KV head's tiles one head early into L1 (Lookahead). Blocks
+// are scattered, so the hardware prefetchers cannot see the next tile coming, and each
+// tile's first loads would otherwise wait on memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
                                      float* work) {
     const int64_t d = a->head_size, g = a->num_heads / a->num_kv_heads, bs = a->block_size;
@@ -468,6 +490,13 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
         if (look && r + 1 < r1 && decode(r + 1)) {
             ahead.bt = a->block_tables + (r + 1) * a->bt_stride;
             span(r + 1, a->query_start_loc[r + 1], &ahead.start, &ahead.len);
+        }
+        const int64_t later = r + kRowsAhead;
+        if (look && later < r1 && decode(later)) {
+            int64_t start, len;
+            span(later, a->query_start_loc[later], &start, &len);
+            prefetch_blocks(a->k_cache, a->v_cache, a->block_tables + later * a->bt_stride,
+                            start / bs, (len + bs - 1) / bs, tile_stride, elem);
         }
         for (int64_t t = first; t < end; t++) {
             int64_t start, len;
