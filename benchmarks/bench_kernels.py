@@ -69,8 +69,11 @@ def _attention_call(
     head_size: int,
     block_size: int = 16,
     dtype: Any = None,
+    layers: int = 1,
 ) -> Any:
-    """A decode step of `batch` requests of `context` positions through the attention op."""
+    """A decode step of `batch` requests of `context` positions through the attention op.
+    With `layers`, each call is the next layer's, every layer with caches of its own, as
+    in a model's step (past the last-level cache where they are large enough)."""
     import torch
 
     dtype = dtype or torch.float32
@@ -78,8 +81,10 @@ def _attention_call(
     blocks_per_req = -(-context // block_size)
     num_blocks = batch * blocks_per_req + 1
     shape = (num_blocks, kv_heads, head_size, block_size)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    caches = [
+        (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        for _ in range(layers)
+    ]
     ids = torch.randperm(num_blocks - 1, generator=gen).to(torch.int32) + 1
     block_tables = ids.view(batch, blocks_per_req).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int32)
@@ -94,8 +99,14 @@ def _attention_call(
     workspace = torch.empty(1, group * blocks_per_req * block_size + (head_size + 1) * block_size)
     num_reqs = torch.tensor([batch], dtype=torch.int32)
     scale = head_size**-0.5
-    args = (query, key, value, k_cache, v_cache, slot_mapping, block_tables, qsl, seq_lens)
-    return lambda: ops.paged_attention(*args, num_reqs, scale, workspace)
+    metadata = (slot_mapping, block_tables, qsl, seq_lens, num_reqs, scale, workspace)
+    calls = iter(range(1 << 62))
+
+    def call() -> Any:
+        k_cache, v_cache = caches[next(calls) % layers]
+        return ops.paged_attention(query, key, value, k_cache, v_cache, *metadata)
+
+    return call
 
 
 def _kernel_calls(ops: Any) -> dict[str, Any]:
@@ -104,6 +115,9 @@ def _kernel_calls(ops: Any) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     calls = {
         "attention stories260K b1 ctx256": _attention_call(ops, 1, 256, 8, 4, 8),
+        # bench_decode's batched step at mid and full length: five layers' caches.
+        "attention stories260K b256 ctx100 x5": _attention_call(ops, 256, 100, 8, 4, 8, layers=5),
+        "attention stories260K b256 ctx200 x5": _attention_call(ops, 256, 200, 8, 4, 8, layers=5),
         "attention 0.5B b1 ctx1024": _attention_call(ops, 1, 1024, 14, 2, 64),
         "attention 0.5B b64 ctx256": _attention_call(ops, 64, 256, 14, 2, 64),
         "attention 0.5B bf16 b1 ctx1024": _attention_call(
@@ -261,13 +275,13 @@ def main() -> None:
                 }
             base = workers[0].name
             print(f"\nper-call microseconds (median of {args.rounds} interleaved rounds)")
-            print(f"{'kernel':<34}" + "".join(f"{w.name:>19}" for w in workers))
+            print(f"{'kernel':<38}" + "".join(f"{w.name:>19}" for w in workers))
             for n in names:
                 cells = ""
                 for w in workers:
                     us, ratio = table[w.name][n] * 1e6, table[w.name][n] / table[base][n]
                     cells += f"{us:>11.2f} ({ratio:4.2f}x)"
-                print(f"{n:<34}{cells}")
+                print(f"{n:<38}{cells}")
             print(f"(ratios: time over {base}'s; above 1 is slower)")
         if not args.skip_e2e:
             rounds = _rounds(workers, "decode", args.decode_rounds)

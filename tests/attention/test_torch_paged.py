@@ -692,8 +692,9 @@ def test_a_step_large_enough_to_fetch_ahead_matches_the_reference(
 ) -> None:
     """Decode rows whose K and V pass the native operator's fetch-ahead size (1 MiB per
     layer; here 12 decodes of about 240 positions, 8 KV heads of 64: 2.4 MiB and more in
-    every case), with a prefill between them (no fetch-ahead into or out of it) and
-    scattered blocks: the same results as the reference."""
+    every case), with a prefill between them (no fetch-ahead into or out of it: the rows
+    that would fetch it four rows ahead, and the last rows, fetch nothing) and scattered
+    blocks: the same results as the reference."""
     require_native_op()
     backend = make_backend(
         "native",
