@@ -3,8 +3,8 @@
 // attention does), any block size and head size, written once against vec.h's Vec: the
 // same source is AVX-512, AVX2, NEON or plain loops, as the library was built.
 //
-// Writes every new token's K/V into its cache slot (slot -1: a padded row, skipped),
-// then attends each token over its request's context through the block table: token
+// Writes each request's new tokens' K/V into their cache slots (slot -1: a padded row,
+// skipped), then attends each token over its request's context through the block table: token
 // i of a request with q_len new tokens and seq_len positions sees the first
 // seq_len - q_len + i + 1 (causal, with the cached context before it), or with a sliding
 // window W the last W of those: its cost follows the window, not the context, and the
@@ -26,10 +26,11 @@
 // work:   float32, per caller thread: `max_len` scores for each query head of a KV
 //         head's group (then (head_size + 1) * block_size floats this kernel no longer
 //         uses); allocated once by the caller (an op never allocates inside a graph).
-// A step is two calls: paged_attention_begin checks the metadata, writes the new K/V and
-// zeroes the padding rows (once); paged_attention_requests attends the tokens of
-// requests [r0, r1) (independent ranges may run on different threads, each with its own
-// workspace; a request's result does not depend on the split).
+// A step is two calls: paged_attention_begin checks the metadata and zeroes the padding
+// rows (once); paged_attention_requests writes the new K/V of requests [r0, r1) and
+// attends their tokens, a request at a time (independent ranges may run on different
+// threads, each with its own workspace; a request's result does not depend on the split:
+// it reads only its own new K/V, in blocks no other request writes).
 // paged_attention_begin returns 0, or non-zero (and touches nothing) when a slot, block
 // id, length or query range is outside the caches, the block table, the rows or the
 // workspace.
@@ -75,15 +76,15 @@ inline int check_metadata(const int64_t *slot_mapping, const int32_t *block_tabl
     return 0;
 }
 
-// Copy each new token's K/V row into its cache slot: element c = head * d + dim of the
-// row goes to tile c / d, row c % d, lane slot % block_size. T: the element type (one
-// move per value; a memcpy of a runtime size per value became a byte loop).
+// Copy the K/V rows of new tokens [t0, t1) into their cache slots: element c = head * d +
+// dim of a row goes to tile c / d, row c % d, lane slot % block_size. T: the element type
+// (one move per value; a memcpy of a runtime size per value became a byte loop).
 template <class T>
 inline void write_new_kv(T *k_cache, T *v_cache, const T *k, const T *v,
-                         const int64_t *slot_mapping, int64_t num_tokens, int64_t k_stride,
+                         const int64_t *slot_mapping, int64_t t0, int64_t t1, int64_t k_stride,
                          int64_t v_stride, int64_t row, int64_t bs, int64_t tile_stride)
 {
-    for (int64_t t = 0; t < num_tokens; t++) {
+    for (int64_t t = t0; t < t1; t++) {
         const int64_t s = slot_mapping[t];
         if (s < 0)
             continue;  // a padded row
@@ -407,11 +408,11 @@ struct paged_attention_step {
     float softcap;
 };
 
-// Check the step, write its new K/V into the caches and zero the padding rows of out:
-// 0, or non-zero with nothing touched (3: a head size above kMaxHead).
+// Check the step and zero the padding rows of out: 0, or non-zero with nothing touched
+// (3: a head size above kMaxHead).
 inline int paged_attention_begin(const paged_attention_step *a)
 {
-    const int64_t d = a->head_size, kvh = a->num_kv_heads, bs = a->block_size;
+    const int64_t d = a->head_size, bs = a->block_size;
     const size_t elem = a->bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t row_bytes = (size_t)(a->num_heads * d) * elem;
     if (d > kMaxHead)
@@ -422,19 +423,25 @@ inline int paged_attention_begin(const paged_attention_step *a)
     if (bad)
         return bad;
     const int64_t num_tokens = a->query_start_loc[a->num_reqs];
-    if (a->bf16)
-        write_new_kv(static_cast<uint16_t *>(a->k_cache), static_cast<uint16_t *>(a->v_cache),
-                     static_cast<const uint16_t *>(a->k), static_cast<const uint16_t *>(a->v),
-                     a->slot_mapping, num_tokens, a->k_stride, a->v_stride, kvh * d, bs,
-                     kvh * d * bs);
-    else
-        write_new_kv(static_cast<float *>(a->k_cache), static_cast<float *>(a->v_cache),
-                     static_cast<const float *>(a->k), static_cast<const float *>(a->v),
-                     a->slot_mapping, num_tokens, a->k_stride, a->v_stride, kvh * d, bs,
-                     kvh * d * bs);
     memset((char *)a->out + num_tokens * row_bytes, 0,
            (size_t)(a->num_rows - num_tokens) * row_bytes);
     return 0;
+}
+
+// Write request r's new K/V (after paged_attention_begin): just before its tokens are
+// attended, so that a decode's slot is in the block its row fetched ahead.
+inline void write_request_kv(const paged_attention_step *a, int64_t r)
+{
+    const int64_t row = a->num_kv_heads * a->head_size, bs = a->block_size;
+    const int64_t t0 = a->query_start_loc[r], t1 = a->query_start_loc[r + 1];
+    if (a->bf16)
+        write_new_kv(static_cast<uint16_t *>(a->k_cache), static_cast<uint16_t *>(a->v_cache),
+                     static_cast<const uint16_t *>(a->k), static_cast<const uint16_t *>(a->v),
+                     a->slot_mapping, t0, t1, a->k_stride, a->v_stride, row, bs, row * bs);
+    else
+        write_new_kv(static_cast<float *>(a->k_cache), static_cast<float *>(a->v_cache),
+                     static_cast<const float *>(a->k), static_cast<const float *>(a->v),
+                     a->slot_mapping, t0, t1, a->k_stride, a->v_stride, row, bs, row * bs);
 }
 
 // Below this many bytes of K and V per layer, a step's caches are taken to be in the
@@ -446,12 +453,12 @@ constexpr int64_t kLookaheadBytes = int64_t{1} << 20;
 // lines are still in L2 then (docs/performance.md, "rows ahead").
 constexpr int64_t kRowsAhead = 4;
 
-// Attend every token of requests [r0, r1) (after paged_attention_begin), with `work`
-// holding one thread's workspace. Where their K and V are large (kLookaheadBytes), decode
-// rows fetch ahead at two distances: each row's blocks kRowsAhead rows early into L2
-// (prefetch_blocks), and each KV head's tiles one head early into L1 (Lookahead). Blocks
-// are scattered, so the hardware prefetchers cannot see the next tile coming, and each
-// tile's first loads would otherwise wait on memory in turn.
+// Write the new K/V of requests [r0, r1) and attend their tokens (after
+// paged_attention_begin), with `work` holding one thread's workspace. Where their K and V
+// are large (kLookaheadBytes), decode rows fetch ahead at two distances: each row's blocks
+// kRowsAhead rows early into L2 (prefetch_blocks), and each KV head's tiles one head early
+// into L1 (Lookahead). Blocks are scattered, so the hardware prefetchers cannot see the
+// next tile coming, and each tile's first loads would otherwise wait on memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
                                      float* work) {
     const int64_t d = a->head_size, g = a->num_heads / a->num_kv_heads, bs = a->block_size;
@@ -498,6 +505,7 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
             prefetch_blocks(a->k_cache, a->v_cache, a->block_tables + later * a->bt_stride,
                             start / bs, (len + bs - 1) / bs, tile_stride, elem);
         }
+        write_request_kv(a, r);
         for (int64_t t = first; t < end; t++) {
             int64_t start, len;
             span(r, t, &start, &len);
