@@ -122,11 +122,11 @@ def start_inductor_compile(
     spec = pytree.tree_flatten(output.args[0])[1]
     key = cpu_graph_cache.graph_key(gm, node_meta, args, options)
     tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
-    cached = _load_indexed(key, args, spec, options)
-    if cached is not None:
+    loaded = _load_indexed(key, args, spec, options)
+    if loaded is not None:
         logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        hit = _flat_call(cached, constants, spec, tensor_inputs)
-        return lambda: hit
+        hit = _FlatCall(loaded[0], constants, spec, tensor_inputs, (inputs, loaded[1]))
+        return _Compiled(hit)
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
@@ -176,27 +176,36 @@ def start_inductor_compile(
                     logger.debug(
                         "graph of %d inputs: calling Inductor's function directly", len(args)
                     )
-                    return _flat_call(fast, constants, spec, tensor_inputs)
+                    return _FlatCall(fast, constants, spec, tensor_inputs, (inputs, got))
         logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
         return lambda *xs: wrapped(*xs, *constants)
 
     return finish
 
 
-def _flat_call(
-    fn: Callable[[list], list],
-    constants: list[torch.Tensor],
-    spec: pytree.TreeSpec,
-    tensor_inputs: bool,
-) -> _FlatCall:
-    return _FlatCall(fn, constants, spec, tensor_inputs)
+class _Compiled:
+    """What start_inductor_compile gives where there is nothing to wait for (a module
+    from the index): its function to call once, `done`."""
+
+    done = True
+
+    def __init__(self, compiled: _FlatCall) -> None:
+        self._compiled = compiled
+
+    def __call__(self) -> _FlatCall:
+        return self._compiled
 
 
 class _FlatCall:
     """`fn` (Inductor's function of one flat list) as a callable of the graph's inputs,
     returning what the graph returns; straight into its C++ entry where every input is a
     tensor (`tensor_inputs`, as they were at the compile). `bind(inputs)`: the same over
-    fixed inputs, as a function of no arguments (CpuGraph's replay)."""
+    fixed inputs, as a function of no arguments (CpuGraph's replay).
+
+    `last_run`: (inputs, the output leaves) of the plain call just made over them at the
+    compile or the index load, which the first bind over the same inputs checks against
+    instead of calling again (a whole forward of the model); bind at once, before
+    anything writes into those inputs."""
 
     def __init__(
         self,
@@ -204,12 +213,14 @@ class _FlatCall:
         constants: list[torch.Tensor],
         spec: pytree.TreeSpec,
         tensor_inputs: bool,
+        last_run: tuple[Sequence[torch.Tensor], list] | None = None,
     ) -> None:
         self._fn = fn
         self._direct = entry_call(fn) if tensor_inputs else fn
         self._constants = constants
         self._spec = spec
         self._tensor_inputs = tensor_inputs
+        self._last_run = last_run
 
     def __call__(self, *xs: torch.Tensor) -> object:
         return pytree.tree_unflatten(self._direct([*xs, *self._constants]), self._spec)
@@ -219,6 +230,7 @@ class _FlatCall:
         checked once against a plain call; a plain call of `xs` where it cannot be bound
         or gives other outputs."""
         plain = functools.partial(self, *xs)
+        last_run, self._last_run = self._last_run, None
         if not self._tensor_inputs:
             return plain
         spec = self._spec
@@ -226,7 +238,10 @@ class _FlatCall:
         if bound is None:
             return plain
         with torch.no_grad():
-            expected = pytree.tree_leaves(plain())
+            if last_run is not None and _same_tensors(last_run[0], xs):
+                expected = last_run[1]
+            else:
+                expected = pytree.tree_leaves(plain())
             try:
                 got = bound()
             except RuntimeError as e:
@@ -240,6 +255,10 @@ class _FlatCall:
             return plain
         unflatten = _unflattener(spec)
         return lambda: unflatten(bound())
+
+
+def _same_tensors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _unflattener(spec: pytree.TreeSpec) -> Callable[[list], object]:
@@ -260,9 +279,10 @@ def _unflatten(leaves: list, spec: pytree.TreeSpec) -> object:
 
 def _load_indexed(
     key: str, args: list[torch.Tensor], spec: pytree.TreeSpec, options: dict[str, object]
-) -> Callable[[list], list] | None:
-    """The module the index holds for `key`, once it has run over `args` and returned
-    what the graph returns; None (a miss) where there is none or it fails."""
+) -> tuple[Callable[[list], list], list] | None:
+    """The module the index holds for `key` and its outputs, once it has run over `args`
+    and returned what the graph returns; None (a miss) where there is none or it
+    fails."""
     cached = cpu_graph_cache.load(key, options)
     if cached is None:
         return None
@@ -273,7 +293,7 @@ def _load_indexed(
         logger.warning("compiled-graph entry %s failed (%s); compiling afresh", key, e)
         return None
     if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
-        return cached
+        return cached, list(got)
     logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
     return None
 
@@ -345,7 +365,9 @@ class CpuGraph(DeviceGraph):
             # finish() waits for it and runs it once, so a failure still shows at start-up.
             # Until then a replay finishes first.
             self._pending = start_inductor_compile(self.graph_module, inputs, inductor_options)
-            if not defer:
+            # A module from the index has run over the inputs already: bound now, its
+            # check reuses that run (before the next graph's dummy batch overwrites them).
+            if not defer or getattr(self._pending, "done", False):
                 self.finish()
         else:
             self._bound = functools.partial(self.graph_module, *self.inputs)

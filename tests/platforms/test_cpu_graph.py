@@ -521,6 +521,69 @@ def test_a_bound_entry_that_fails_its_check_leaves_the_plain_call(
     torch.testing.assert_close(graph.replay(), _affine(x, w))
 
 
+def _count_plain_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one at every plain call of a compiled graph (not its bound
+    entry, and not the compile's or the index load's own run)."""
+    from decodegraph.platforms import cpu_graph
+
+    calls: list[int] = []
+    original = cpu_graph._FlatCall.__call__
+
+    def counted(self: object, *xs: torch.Tensor) -> object:
+        calls.append(1)
+        return original(self, *xs)
+
+    monkeypatch.setattr(cpu_graph._FlatCall, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["at once", "deferred"])
+def test_binding_checks_against_the_run_just_made_not_another_forward(
+    defer: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bound entry is checked against the outputs of the run the compile (or, for a
+    module from the index, its load) has just made over the same inputs: no plain call
+    of the graph at start-up, cold or warm, and replays still right. A module from the
+    index is bound in the constructor, deferred or not, before anything else can write
+    into its inputs."""
+    from torch._inductor.utils import fresh_cache
+
+    calls = _count_plain_calls(monkeypatch)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        cold = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER, defer=defer)
+        cold.finish()
+        with caplog.at_level("DEBUG", logger="decodegraph.platforms.cpu_graph"):
+            warm = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER, defer=defer)
+        assert "Inductor's module from an earlier compile" in caplog.text
+        assert warm._pending is None  # finished in the constructor
+    assert calls == []
+    x.copy_(torch.randn(4, 8))
+    torch.testing.assert_close(cold.replay(), _affine(x, w))
+    torch.testing.assert_close(warm.replay(), _affine(x, w))
+    assert "calling it plainly" not in caplog.text
+
+
+def test_a_bind_over_other_inputs_checks_against_a_plain_call_of_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compile's last run is over its own inputs: a bind over other tensors calls
+    the graph plainly once to check the bound entry, and reads those tensors."""
+    from torch._inductor.utils import fresh_cache
+
+    from decodegraph.platforms.base import trace
+    from decodegraph.platforms.cpu_graph import start_inductor_compile
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        compiled = start_inductor_compile(trace(_affine, [x, w]), [x, w], _CPP_WRAPPER)()
+    calls = _count_plain_calls(monkeypatch)
+    x2, w2 = torch.randn(4, 8), torch.randn(8, 8)
+    replay = compiled.bind([x2, w2])
+    assert calls == [1]
+    torch.testing.assert_close(replay(), _affine(x2, w2))
+
+
 def test_a_module_without_a_cpp_entry_is_not_bound() -> None:
     from decodegraph.platforms import inductor_cpp
 
