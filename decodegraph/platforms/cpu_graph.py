@@ -66,8 +66,12 @@ def compile_with_inductor(
     inputs: Sequence[torch.Tensor],
     options: dict[str, object] | None = None,
 ) -> Callable[..., object]:
-    """Compile a traced graph with Inductor: `start_inductor_compile` and wait for it."""
-    return start_inductor_compile(gm, inputs, options)()
+    """Compile a traced graph with Inductor: `start_inductor_compile` and wait for it.
+    The callable is called, never bound (a piece): it keeps no outputs of its last run."""
+    compiled = start_inductor_compile(gm, inputs, options)()
+    if isinstance(compiled, _FlatCall):
+        compiled.forget_last_run()
+    return compiled
 
 
 def start_inductor_compile(
@@ -224,6 +228,10 @@ class _FlatCall:
 
     def __call__(self, *xs: torch.Tensor) -> object:
         return pytree.tree_unflatten(self._direct([*xs, *self._constants]), self._spec)
+
+    def forget_last_run(self) -> None:
+        """Drop `last_run` (its inputs and outputs) where nothing will bind."""
+        self._last_run = None
 
     def bind(self, xs: Sequence[torch.Tensor]) -> Callable[[], object]:
         """The C++ entry bound to aliases of `xs` and the weights (inductor_cpp.bind_entry),

@@ -584,6 +584,31 @@ def test_a_bind_over_other_inputs_checks_against_a_plain_call_of_them(
     torch.testing.assert_close(replay(), _affine(x2, w2))
 
 
+def test_a_compiled_piece_keeps_no_tensors_of_its_last_run() -> None:
+    """A piece (compile_with_inductor) is called, never bound: it holds neither the
+    inputs nor the outputs of the compile's or the index load's run, cold or warm."""
+    import gc
+    import weakref
+
+    from torch._inductor.utils import fresh_cache
+
+    from decodegraph.platforms.base import trace
+    from decodegraph.platforms.cpu_graph import compile_with_inductor
+
+    pieces, refs = [], []
+    with fresh_cache():
+        for _ in range(2):  # a compile, then a load from the index
+            x, w = torch.randn(4, 8), torch.randn(8, 8)
+            pieces.append(compile_with_inductor(trace(_affine, [x, w]), [x, w], _CPP_WRAPPER))
+            refs.append(weakref.ref(x))
+            del x, w
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    for piece in pieces:
+        torch.testing.assert_close(piece(x, w), _affine(x, w))
+
+
 def test_a_module_without_a_cpp_entry_is_not_bound() -> None:
     from decodegraph.platforms import inductor_cpp
 
