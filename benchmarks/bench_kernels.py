@@ -28,6 +28,7 @@ Prints tables and saves JSON under benchmarks/results/. One intra-op thread ever
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -100,11 +101,10 @@ def _attention_call(
     num_reqs = torch.tensor([batch], dtype=torch.int32)
     scale = head_size**-0.5
     metadata = (slot_mapping, block_tables, qsl, seq_lens, num_reqs, scale, workspace)
-    calls = iter(range(1 << 62))
+    layer_caches = itertools.cycle(caches)
 
     def call() -> Any:
-        k_cache, v_cache = caches[next(calls) % layers]
-        return ops.paged_attention(query, key, value, k_cache, v_cache, *metadata)
+        return ops.paged_attention(query, key, value, *next(layer_caches), *metadata)
 
     return call
 

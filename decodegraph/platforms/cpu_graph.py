@@ -66,18 +66,15 @@ def compile_with_inductor(
     inputs: Sequence[torch.Tensor],
     options: dict[str, object] | None = None,
 ) -> Callable[..., object]:
-    """Compile a traced graph with Inductor: `start_inductor_compile` and wait for it.
-    The callable is called, never bound (a piece): it keeps no outputs of its last run."""
-    compiled = start_inductor_compile(gm, inputs, options)()
-    if isinstance(compiled, _FlatCall):
-        compiled.forget_last_run()
-    return compiled
+    """Compile a traced graph with Inductor: `start_inductor_compile` and wait for it."""
+    return start_inductor_compile(gm, inputs, options)()
 
 
 def start_inductor_compile(
     gm: torch.fx.GraphModule,
     inputs: Sequence[torch.Tensor],
     options: dict[str, object] | None = None,
+    bind_next: bool = False,
 ) -> Callable[[], Callable[..., object]]:
     """Compile a traced graph with Inductor (no dynamo front end involved) into a
     callable of the same inputs, returning what the graph returns. Returns a function
@@ -106,7 +103,9 @@ def start_inductor_compile(
     module is still in Inductor's cache, skips the compile altogether (cpu_graph_cache).
 
     The callable has run once over `inputs` (a smoke test and warm-up) by the time the
-    waiting function gives it.
+    waiting function gives it. With `bind_next` (a caller that binds it to `inputs` at
+    once, CpuGraph) it keeps that run's outputs for the bind's check; otherwise it holds
+    no tensor of the run.
     """
     _wait_for_isa_probe()
     node_meta = cpu_graph_cache.node_metadata(gm)
@@ -129,8 +128,9 @@ def start_inductor_compile(
     loaded = _load_indexed(key, args, spec, options)
     if loaded is not None:
         logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        hit = _FlatCall(loaded[0], constants, spec, tensor_inputs, (inputs, loaded[1]))
-        return _Compiled(hit)
+        fn, outputs = loaded
+        last_run = (inputs, outputs) if bind_next else None
+        return _Compiled(_FlatCall(fn, constants, spec, tensor_inputs, last_run))
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
@@ -180,7 +180,8 @@ def start_inductor_compile(
                     logger.debug(
                         "graph of %d inputs: calling Inductor's function directly", len(args)
                     )
-                    return _FlatCall(fast, constants, spec, tensor_inputs, (inputs, got))
+                    last_run = (inputs, got) if bind_next else None
+                    return _FlatCall(fast, constants, spec, tensor_inputs, last_run)
         logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
         return lambda *xs: wrapped(*xs, *constants)
 
@@ -228,10 +229,6 @@ class _FlatCall:
 
     def __call__(self, *xs: torch.Tensor) -> object:
         return pytree.tree_unflatten(self._direct([*xs, *self._constants]), self._spec)
-
-    def forget_last_run(self) -> None:
-        """Drop `last_run` (its inputs and outputs) where nothing will bind."""
-        self._last_run = None
 
     def bind(self, xs: Sequence[torch.Tensor]) -> Callable[[], object]:
         """The C++ entry bound to aliases of `xs` and the weights (inductor_cpp.bind_entry),
@@ -372,7 +369,9 @@ class CpuGraph(DeviceGraph):
             # With `defer`, its C++ builds while the caller compiles the next graph;
             # finish() waits for it and runs it once, so a failure still shows at start-up.
             # Until then a replay finishes first.
-            self._pending = start_inductor_compile(self.graph_module, inputs, inductor_options)
+            self._pending = start_inductor_compile(
+                self.graph_module, inputs, inductor_options, bind_next=True
+            )
             # A module from the index has run over the inputs already: bound now, its
             # check reuses that run (before the next graph's dummy batch overwrites them).
             if not defer or getattr(self._pending, "done", False):

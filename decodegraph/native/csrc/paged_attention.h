@@ -280,8 +280,11 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
     }
 }
 
-// Ask the memory system for one KV head's K and V tiles (`off` elements into each block)
-// over blocks [b0, b1): every cache line of them at once, so that their misses overlap.
+// Ask the memory system for `tile` elements `off` into each block over blocks [b0, b1),
+// of K and V: every cache line of them at once, so that their misses overlap. Locality:
+// __builtin_prefetch's, 3 (L1: one KV head's tiles, the next head's) or 2 (L2: whole
+// blocks, a later row's context; a block of all heads is one contiguous run).
+template <int Locality = 3>
 inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32_t* bt,
                            int64_t b0, int64_t b1, int64_t tile_stride, int64_t off,
                            int64_t tile, size_t elem) {
@@ -290,24 +293,8 @@ inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32
     for (int64_t b = b0; b < b1; b++) {
         const int64_t at = (static_cast<int64_t>(bt[b]) * tile_stride + off) * e;
         for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch(kc + at + o);
-            __builtin_prefetch(vc + at + o);
-        }
-    }
-}
-
-// Ask for whole blocks (every KV head's K and V) over blocks [b0, b1) into the outer
-// cache levels (L2 on x86 and ARM): a later row's context, fetched while this one is
-// attended. A block of all heads is one contiguous run, unlike one head's tile.
-inline void prefetch_blocks(const void* k_cache, const void* v_cache, const int32_t* bt,
-                            int64_t b0, int64_t b1, int64_t block_stride, size_t elem) {
-    const char *kc = static_cast<const char*>(k_cache), *vc = static_cast<const char*>(v_cache);
-    const int64_t e = static_cast<int64_t>(elem), bytes = block_stride * e;
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t at = static_cast<int64_t>(bt[b]) * bytes;
-        for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch(kc + at + o, 0, 2);
-            __builtin_prefetch(vc + at + o, 0, 2);
+            __builtin_prefetch(kc + at + o, 0, Locality);
+            __builtin_prefetch(vc + at + o, 0, Locality);
         }
     }
 }
@@ -448,7 +435,7 @@ inline void write_request_kv(const paged_attention_step *a, int64_t r)
 // core's own caches, where fetching ahead only adds instructions.
 constexpr int64_t kLookaheadBytes = int64_t{1} << 20;
 
-// How many decode rows ahead a row asks for a later row's blocks (prefetch_blocks): far
+// How many decode rows ahead a row asks for a later row's whole blocks (into L2): far
 // enough for the memory system to answer before that row starts, near enough that its
 // lines are still in L2 then (docs/performance.md, "rows ahead").
 constexpr int64_t kRowsAhead = 4;
@@ -456,7 +443,7 @@ constexpr int64_t kRowsAhead = 4;
 // Write the new K/V of requests [r0, r1) and attend their tokens (after
 // paged_attention_begin), with `work` holding one thread's workspace. Where their K and V
 // are large (kLookaheadBytes), decode rows fetch ahead at two distances: each row's blocks
-// kRowsAhead rows early into L2 (prefetch_blocks), and each KV head's tiles one head early
+// kRowsAhead rows early into L2 (prefetch_tiles<2>), and each KV head's tiles one head early
 // into L1 (Lookahead). Blocks are scattered, so the hardware prefetchers cannot see the
 // next tile coming, and each tile's first loads would otherwise wait on memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
@@ -502,8 +489,9 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
         if (look && later < r1 && decode(later)) {
             int64_t start, len;
             span(later, a->query_start_loc[later], &start, &len);
-            prefetch_blocks(a->k_cache, a->v_cache, a->block_tables + later * a->bt_stride,
-                            start / bs, (len + bs - 1) / bs, tile_stride, elem);
+            prefetch_tiles<2>(a->k_cache, a->v_cache, a->block_tables + later * a->bt_stride,
+                              start / bs, (len + bs - 1) / bs, tile_stride, 0, tile_stride,
+                              elem);
         }
         write_request_kv(a, r);
         for (int64_t t = first; t < end; t++) {
