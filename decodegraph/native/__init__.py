@@ -32,6 +32,11 @@ per process says why (the build's last error) and names DECODEGRAPH_NATIVE_KERNE
 which disables them without a build or a log. A large step splits its requests over
 torch's intra-op threads.
 
+A compiled graph's C++ wrapper calls the operators that stay opaque (the attention, the
+batch-1 projection, the collectives) through their C shims (`c_shims()`, csrc/cpu_ops.cpp),
+a plain C call, instead of through the dispatcher; the library is loaded RTLD_GLOBAL so
+that the wrapper's library finds them.
+
 Graph traces see the pointwise and norm operators as the aten ops they stand for
 (`decompositions()`), so Inductor fuses them with their neighbours; the attention
 operator and the batch-1 projection stay opaque. Layers call them through
@@ -41,6 +46,7 @@ bfloat16 too).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -253,6 +259,8 @@ def load_cpu_ops() -> object | None:
             logger.debug("CPU operator build failed with %s: %s", flags, e)
             reason = _reason(e)
             continue
+        # The C shims must be visible to the graphs' wrapper libraries (c_shims()).
+        ctypes.CDLL(str(build_dir / f"decodegraph_cpu_ops_{key}.so"), mode=_GLOBAL_NOLOAD)
         _register_fakes()
         return torch.ops.decodegraph_cpu
     logger.warning(
@@ -265,6 +273,50 @@ def load_cpu_ops() -> object | None:
 
 # Free CPU blocks the caching allocator keeps by default (csrc/cpu_allocator.h).
 _ALLOCATOR_CACHE_MB = 64
+
+
+# dlopen of a library that is loaded already (by torch.ops.load_library, RTLD_LOCAL):
+# make its symbols global, load nothing.
+_GLOBAL_NOLOAD = os.RTLD_GLOBAL | os.RTLD_NOLOAD
+
+# Each opaque operator's C shim, as Inductor declares it in a C++ wrapper: csrc/
+# cpu_ops.cpp defines them (the signatures must match). A shim's name is the one Inductor
+# gives an operator's CPU shim; a `Tensor?` is a nullable AtenTensorHandle*.
+_H = "AtenTensorHandle"
+C_SHIMS = {
+    "paged_attention": (
+        f"AOTITorchError aoti_torch_cpu_paged_attention({_H} query, {_H} key, {_H} value, "
+        f"{_H} k_cache, {_H} v_cache, {_H} slot_mapping, {_H} block_tables, "
+        f"{_H} query_start_loc, {_H} seq_lens, {_H} num_reqs, double scale, "
+        f"{_H} workspace, {_H}* ret0)"
+    ),
+    "paged_attention_windowed_capped": (
+        f"AOTITorchError aoti_torch_cpu_paged_attention_windowed_capped({_H} query, "
+        f"{_H} key, {_H} value, {_H} k_cache, {_H} v_cache, {_H} slot_mapping, "
+        f"{_H} block_tables, {_H} query_start_loc, {_H} seq_lens, {_H} num_reqs, "
+        f"double scale, {_H} workspace, int64_t sliding_window, double logits_soft_cap, "
+        f"{_H}* ret0)"
+    ),
+    "linear_one_row": (
+        f"AOTITorchError aoti_torch_cpu_linear_one_row({_H} x, {_H} weight, {_H}* bias, {_H}* ret0)"
+    ),
+    "shm_all_reduce": (
+        f"AOTITorchError aoti_torch_cpu_shm_all_reduce({_H} x, int64_t handle, {_H}* ret0)"
+    ),
+    "shm_all_gather": (
+        f"AOTITorchError aoti_torch_cpu_shm_all_gather({_H} x, int64_t handle, "
+        f"int64_t world_size, {_H}* ret0)"
+    ),
+}
+
+
+def c_shims() -> dict:
+    """For Inductor's aot_inductor.custom_ops_to_c_shims: each loaded opaque operator ->
+    its C shim's declaration ({} where the operators are not loaded)."""
+    ops = load_cpu_ops()
+    if ops is None:
+        return {}
+    return {getattr(ops, name).default: [decl] for name, decl in C_SHIMS.items()}
 
 
 def install_cpu_allocator() -> bool:

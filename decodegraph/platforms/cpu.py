@@ -126,6 +126,9 @@ class CpuPlatform(Platform):
         """The platform's Inductor options, with the user's on top. (A graph holding a
         gloo collective is compiled without the C++ wrapper: compile_with_inductor.)"""
         options = dict(self.default_inductor_options)
+        # The wrapper calls the opaque operators as C functions, not through the
+        # dispatcher (native.c_shims).
+        options["aot_inductor.custom_ops_to_c_shims"] = native.c_shims()
         if _inductor_isa_probe_redundant():
             options["cpp.vec_isa_ok"] = True
         return {**options, **config.inductor_compile_config}

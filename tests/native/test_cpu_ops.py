@@ -172,19 +172,80 @@ def test_an_inductor_graph_calls_the_batch_1_projection_as_an_opaque_operator(
     cpu_ops: object, dtype: torch.dtype
 ) -> None:
     """With the CPU platform's Inductor options (its C++ wrapper): the compiled code calls
-    the operator itself, with the bits of an eager call, on the weights read at replay."""
-    from torch._inductor.utils import fresh_cache, run_and_get_code
-
-    from decodegraph.platforms.cpu import CpuPlatform
-    from decodegraph.platforms.cpu_graph import CpuGraph
-
+    the operator itself, as a C function (its C shim, not through the dispatcher), with
+    the bits of an eager call, on the weights read at replay."""
     layer = _loaded_layer(dtype, 256, 384)
     x = torch.randn(1, 256, dtype=dtype)
-    options = CpuPlatform.default_inductor_options
-    with fresh_cache():  # else a warm index loads the module and there is no code to read
-        graph, code = run_and_get_code(lambda: CpuGraph("g", layer, [x], True, options))
-    assert any("linear_one_row" in c for c in code)
+    graph, code = _compiled_with_platform_options(layer, [x])
+    assert "aoti_torch_cpu_linear_one_row(" in code
+    assert "aoti_torch_call_dispatcher" not in code
     x.copy_(torch.randn(1, 256, dtype=dtype))
     with torch.no_grad():
         layer.weight.mul_(2)  # read at replay, not baked in
     assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, layer.weight, layer.bias))
+
+
+def _compiled_with_platform_options(fn: Callable, inputs: list[torch.Tensor]) -> tuple[object, str]:
+    """A CPU graph of fn over inputs, compiled with the CPU platform's Inductor options
+    (its C++ wrapper, the operators' C shims), and the generated code."""
+    from torch._inductor.utils import fresh_cache, run_and_get_code
+
+    from decodegraph.config import CompilationConfig
+    from decodegraph.platforms.cpu import CpuPlatform
+    from decodegraph.platforms.cpu_graph import CpuGraph
+
+    options = CpuPlatform().inductor_options(CompilationConfig())
+    with fresh_cache():  # else a warm index loads the module and there is no code to read
+        graph, code = run_and_get_code(lambda: CpuGraph("g", fn, inputs, True, options))
+    return graph, "\n".join(code)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_an_inductor_graph_calls_the_attention_through_its_c_shim(
+    cpu_ops: object, windowed: bool
+) -> None:
+    """The C++ wrapper calls the attention (and the windowed, soft-capped one) as a C
+    function, not through the dispatcher, with the bits of an eager call: one decode at
+    position 17 over two blocks of 16, 8 query heads of 8 over 4 KV heads."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(3, 4, 8, 16, generator=gen) for _ in range(2))
+    meta = (
+        torch.tensor([2 * 16 + 1]),  # slot 17 of blocks [2, 1]
+        torch.tensor([[2, 1]], dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([18], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+    )
+    workspace = torch.zeros(1, 1024)
+    extra = (8, 30.0) if windowed else ()
+    op = cpu_ops.paged_attention_windowed_capped if windowed else cpu_ops.paged_attention
+
+    def attend(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        k, v = kv[:, :32], kv[:, 32:]
+        return op(q * 2, k, v, k_cache, v_cache, *meta, 0.35, workspace, *extra)
+
+    q, kv = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)
+    graph, code = _compiled_with_platform_options(attend, [q, kv])
+    name = "paged_attention_windowed_capped" if windowed else "paged_attention"
+    assert f"aoti_torch_cpu_{name}(" in code
+    assert "aoti_torch_call_dispatcher" not in code
+    q.copy_(torch.randn(1, 64, generator=gen))
+    kv.copy_(torch.randn(1, 64, generator=gen))
+    assert torch.equal(graph.replay(), attend(q, kv))
+    meta[-1].fill_(5)  # more requests than the batch's tensors: the operator refuses
+    with pytest.raises(RuntimeError):
+        graph.replay()
+    meta[-1].fill_(1)  # the shim's failure left nothing behind
+    assert torch.equal(graph.replay(), attend(q, kv))
+
+
+def test_the_batch_1_projections_c_shim_takes_an_absent_bias(cpu_ops: object) -> None:
+    """An optional tensor reaches a shim as a null handle pointer."""
+    x, weight = torch.randn(1, 256), torch.randn(384, 256)
+
+    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.linear_one_row(x, w, None)
+
+    graph, code = _compiled_with_platform_options(project, [x, weight])
+    assert "aoti_torch_cpu_linear_one_row(" in code
+    assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))

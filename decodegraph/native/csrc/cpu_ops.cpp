@@ -31,9 +31,22 @@
 // graph_entry_make, graph_entry_free: a compiled graph's C++ entry bound to aliases of
 // its inputs (csrc/graph_entry.h), as an address; graph_entry_caller: the address of the
 // C function that calls one (decodegraph_graph_entry_call).
+//
+// aoti_torch_cpu_<op> (at the end): C shims of the operators a compiled graph calls.
+// Inductor's C++ wrapper calls an operator it has a C shim for (its config's
+// aot_inductor.custom_ops_to_c_shims) as a C function of tensor handles; any other
+// custom operator goes through the dispatcher at every call (aoti_torch_call_dispatcher:
+// a new handle per tensor argument, the arguments boxed, the operator looked up by name,
+// its kernel unboxed). A batch-1 graph makes one such call per layer (the attention; with
+// tensor parallelism the collectives too). The names are the ones Inductor gives an
+// operator's CPU shim; the declarations it writes into a wrapper are
+// native/__init__.py's C_SHIMS, which must match these signatures. A wrapper library
+// finds them when it loads: this library is loaded RTLD_GLOBAL.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -413,3 +426,69 @@ TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("shm_all_reduce", &decodegraph::shm_all_reduce);
     m.impl("shm_all_gather", &decodegraph::shm_all_gather);
 }
+
+// The C shims (see the top of this file): each returns AOTI_TORCH_SUCCESS with a new
+// handle in *ret0, or AOTI_TORCH_FAILURE with the error logged, as torch's own shims do.
+namespace {
+
+const at::Tensor& of(AtenTensorHandle h) {
+    return *torch::aot_inductor::tensor_handle_to_tensor_pointer(h);
+}
+
+}  // namespace
+
+extern "C" {
+
+AOTITorchError aoti_torch_cpu_paged_attention(
+    AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
+    AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle slot_mapping,
+    AtenTensorHandle block_tables, AtenTensorHandle query_start_loc, AtenTensorHandle seq_lens,
+    AtenTensorHandle num_reqs, double scale, AtenTensorHandle workspace,
+    AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        *ret0 = torch::aot_inductor::new_tensor_handle(paged_attention(
+            of(query), of(key), of(value), of(k_cache), of(v_cache), of(slot_mapping),
+            of(block_tables), of(query_start_loc), of(seq_lens), of(num_reqs), scale,
+            of(workspace)));
+    });
+}
+
+AOTITorchError aoti_torch_cpu_paged_attention_windowed_capped(
+    AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
+    AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle slot_mapping,
+    AtenTensorHandle block_tables, AtenTensorHandle query_start_loc, AtenTensorHandle seq_lens,
+    AtenTensorHandle num_reqs, double scale, AtenTensorHandle workspace, int64_t sliding_window,
+    double logits_soft_cap, AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        *ret0 = torch::aot_inductor::new_tensor_handle(paged_attention_windowed_capped(
+            of(query), of(key), of(value), of(k_cache), of(v_cache), of(slot_mapping),
+            of(block_tables), of(query_start_loc), of(seq_lens), of(num_reqs), scale,
+            of(workspace), sliding_window, logits_soft_cap));
+    });
+}
+
+AOTITorchError aoti_torch_cpu_linear_one_row(AtenTensorHandle x, AtenTensorHandle weight,
+                                             AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        const std::optional<at::Tensor> b =
+            bias == nullptr ? std::nullopt : std::optional<at::Tensor>(of(*bias));
+        *ret0 = torch::aot_inductor::new_tensor_handle(linear_one_row(of(x), of(weight), b));
+    });
+}
+
+AOTITorchError aoti_torch_cpu_shm_all_reduce(AtenTensorHandle x, int64_t handle,
+                                             AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        *ret0 = torch::aot_inductor::new_tensor_handle(decodegraph::shm_all_reduce(of(x), handle));
+    });
+}
+
+AOTITorchError aoti_torch_cpu_shm_all_gather(AtenTensorHandle x, int64_t handle,
+                                             int64_t world_size, AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        *ret0 = torch::aot_inductor::new_tensor_handle(
+            decodegraph::shm_all_gather(of(x), handle, world_size));
+    });
+}
+
+}  // extern "C"
