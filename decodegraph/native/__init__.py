@@ -259,8 +259,7 @@ def load_cpu_ops() -> object | None:
             logger.debug("CPU operator build failed with %s: %s", flags, e)
             reason = _reason(e)
             continue
-        # The C shims must be visible to the graphs' wrapper libraries (c_shims()).
-        ctypes.CDLL(str(build_dir / f"decodegraph_cpu_ops_{key}.so"), mode=_GLOBAL_NOLOAD)
+        _make_shims_visible(build_dir / f"decodegraph_cpu_ops_{key}.so")
         _register_fakes()
         return torch.ops.decodegraph_cpu
     logger.warning(
@@ -275,9 +274,23 @@ def load_cpu_ops() -> object | None:
 _ALLOCATOR_CACHE_MB = 64
 
 
-# dlopen of a library that is loaded already (by torch.ops.load_library, RTLD_LOCAL):
-# make its symbols global, load nothing.
-_GLOBAL_NOLOAD = os.RTLD_GLOBAL | os.RTLD_NOLOAD
+# Whether the loaded library's C shims are visible to other libraries (c_shims()).
+_shims_visible = False
+
+
+def _make_shims_visible(library: Path) -> None:
+    """dlopen the operators' library again, loaded already (by torch.ops.load_library,
+    RTLD_LOCAL), with RTLD_GLOBAL and RTLD_NOLOAD: its symbols become visible to the
+    graphs' wrapper libraries, nothing is loaded. Where that fails, graphs call the
+    operators through the dispatcher (c_shims() gives none)."""
+    global _shims_visible
+    try:
+        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except (OSError, AttributeError) as e:  # no such flags (not POSIX), or not loaded
+        logger.debug("the CPU operators' C shims stay local (%s): dispatcher calls", e)
+        return
+    _shims_visible = True
+
 
 # Each opaque operator's C shim, as Inductor declares it in a C++ wrapper: csrc/
 # cpu_ops.cpp defines them (the signatures must match). A shim's name is the one Inductor
@@ -314,7 +327,7 @@ def c_shims() -> dict:
     """For Inductor's aot_inductor.custom_ops_to_c_shims: each loaded opaque operator ->
     its C shim's declaration ({} where the operators are not loaded)."""
     ops = load_cpu_ops()
-    if ops is None:
+    if ops is None or not _shims_visible:
         return {}
     return {getattr(ops, name).default: [decl] for name, decl in C_SHIMS.items()}
 

@@ -1,7 +1,8 @@
 """decodegraph's CPU operators split large inputs over torch's intra-op threads: each
 row is computed by exactly one thread, so every split gives the bits of one thread.
 The batch-1 projection is as exact as BLAS's (float32) and torch.mm's (bfloat16), and
-the layers use it at batch 1, in eager steps and in traced and compiled graphs."""
+the layers use it at batch 1, in eager steps and in traced and compiled graphs. Compiled
+graphs call the opaque operators through their C shims, not the dispatcher."""
 
 from __future__ import annotations
 
@@ -248,4 +249,25 @@ def test_the_batch_1_projections_c_shim_takes_an_absent_bias(cpu_ops: object) ->
 
     graph, code = _compiled_with_platform_options(project, [x, weight])
     assert "aoti_torch_cpu_linear_one_row(" in code
+    assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))
+
+
+def test_where_the_shims_cannot_be_made_visible_graphs_call_the_dispatcher(
+    cpu_ops: object, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """A library that cannot be made global (here: not loaded) leaves the shims out of
+    the options, and a graph calls the operator through the dispatcher, with its bits."""
+    from decodegraph import native
+
+    monkeypatch.setattr(native, "_shims_visible", False)
+    native._make_shims_visible(tmp_path / "not_loaded.so")
+    assert native._shims_visible is False
+    assert native.c_shims() == {}
+    x, weight = torch.randn(1, 256), torch.randn(384, 256)
+
+    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.linear_one_row(x, w, None)
+
+    graph, code = _compiled_with_platform_options(project, [x, weight])
+    assert 'aoti_torch_call_dispatcher("decodegraph_cpu::linear_one_row"' in code
     assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))
