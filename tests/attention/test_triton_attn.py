@@ -188,7 +188,9 @@ else:
         """The engine on TRITON_ATTN (interpreted), mode FULL: the first step is a mixed
         batch that fits a graph (a prefill beside decodes, padded), then padded decode
         graphs; greedy ids equal the CPU backend's eager ones. Two segments: every graph
-        splits (and the interpreter pays for no more programs than that needs)."""
+        splits (and the interpreter pays for no more programs than that needs). The
+        graphs replay their traces as they are: Inductor's compiles of them (a device's
+        graphs have none) took most of this test's time."""
         from decodegraph.entrypoints.llm import LLM
 
         monkeypatch.setattr(TritonAttentionBackend, "max_segments", 2)
@@ -202,7 +204,11 @@ else:
         llm = LLM(
             str(stories_dir),
             max_num_seqs=4,
-            compilation_config={"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [4, 8]},
+            compilation_config={
+                "cudagraph_mode": "FULL",
+                "cudagraph_capture_sizes": [4, 8],
+                "use_inductor": False,
+            },
         )
         runner = llm.llm_engine.runner
         assert runner.attn_backend.name == "TRITON_ATTN" and runner.graph_runner.mode.name == "FULL"
