@@ -240,14 +240,21 @@ def test_an_inductor_graph_calls_the_attention_through_its_c_shim(
     assert torch.equal(graph.replay(), attend(q, kv))
 
 
-def test_the_batch_1_projections_c_shim_takes_an_absent_bias(cpu_ops: object) -> None:
-    """An optional tensor reaches a shim as a null handle pointer."""
+def _projection_without_bias(cpu_ops: object) -> tuple[torch.Tensor, torch.Tensor, object, str]:
+    """The batch-1 projection with no bias, as a graph compiled with the platform's
+    options: its input, its weight, the graph and the generated code."""
     x, weight = torch.randn(1, 256), torch.randn(384, 256)
 
     def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return cpu_ops.linear_one_row(x, w, None)
 
     graph, code = _compiled_with_platform_options(project, [x, weight])
+    return x, weight, graph, code
+
+
+def test_the_batch_1_projections_c_shim_takes_an_absent_bias(cpu_ops: object) -> None:
+    """An optional tensor reaches a shim as a null handle pointer."""
+    x, weight, graph, code = _projection_without_bias(cpu_ops)
     assert "aoti_torch_cpu_linear_one_row(" in code
     assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))
 
@@ -263,11 +270,6 @@ def test_where_the_shims_cannot_be_made_visible_graphs_call_the_dispatcher(
     native._make_shims_visible(tmp_path / "not_loaded.so")
     assert native._shims_visible is False
     assert native.c_shims() == {}
-    x, weight = torch.randn(1, 256), torch.randn(384, 256)
-
-    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.linear_one_row(x, w, None)
-
-    graph, code = _compiled_with_platform_options(project, [x, weight])
+    x, weight, graph, code = _projection_without_bias(cpu_ops)
     assert 'aoti_torch_call_dispatcher("decodegraph_cpu::linear_one_row"' in code
     assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))
