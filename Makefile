@@ -26,9 +26,12 @@ setup: $(BIN)/python .triton/.installed
 demo: setup
 	$(BIN)/decodegraph --log-level WARNING generate --max-tokens 61
 
+# Two worker processes: most tests hold one core (Python, Inductor's compiles), so on
+# CI's two cores the suite takes about three quarters of its one-process time
+# (docs/performance.md). worksteal rebalances around the few long tests.
 test: setup
 	$(BIN)/ruff check decodegraph tests benchmarks
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs -n 2 --dist worksteal tests
 
 lint: setup
 	$(BIN)/ruff check decodegraph tests benchmarks
