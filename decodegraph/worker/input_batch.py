@@ -156,7 +156,7 @@ class InputBatch:
             state.num_computed_tokens = end  # this step computes them
             seq_lens[i] = end
             seq_lens_cpu.append(end)
-            write_row(i, state.req_id, block_ids)
+            write_row(i, block_ids)
             start += n
             qsl[i + 1] = start
             logits_idx[i] = start - 1
@@ -231,5 +231,5 @@ def _write_group(
         else:
             p = np.arange(first, first + n)
             slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
-        table.write_row(i, state.req_id, block_ids)
+        table.write_row(i, block_ids)
         start += n

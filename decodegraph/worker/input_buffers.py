@@ -34,7 +34,7 @@ class PersistentBuffer:
 
 class BlockTable:
     """One KV cache group's block tables and slot mapping (vLLM's name): the rows of the
-    batch's requests, with which request wrote each row and how many columns."""
+    batch's requests, with whose block list wrote each row and how many columns."""
 
     def __init__(
         self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, device: torch.device
@@ -43,27 +43,26 @@ class BlockTable:
         self.block_table = PersistentBuffer(
             (max_num_reqs, max_blocks_per_seq), torch.int32, device, 0
         )
-        # Per row: which request wrote it and how many columns (stale-tail clearing, and
-        # skipping rewrites: a decoding request's table changes once per block).
+        # Per row: the block list that wrote it (the runner's own list of one request's
+        # blocks in this group) and how many columns: stale-tail clearing, and skipping
+        # rewrites, since a decoding request's table changes once per block. The list
+        # object, not the request id: an id may come back in a later request (a finished
+        # one's, reused) and a preempted request resumes with a new list, so either
+        # rewrites its row.
         self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.row_owner: list[str | None] = [None] * max_num_reqs
+        self.row_owner: list[list[int] | None] = [None] * max_num_reqs
 
-    def write_row(self, row: int, request_id: str, block_ids: list[int]) -> None:
+    def write_row(self, row: int, block_ids: list[int]) -> None:
         n = len(block_ids)
         prev = int(self.row_blocks[row])
-        if self.row_owner[row] == request_id and prev == n:
+        if self.row_owner[row] is block_ids and prev == n:
             return  # a running request's blocks only grow at the tail: nothing changed
         bt = self.block_table.np
         bt[row, :n] = block_ids
         if prev > n:
             bt[row, n:prev] = 0
         self.row_blocks[row] = n
-        self.row_owner[row] = request_id
-
-    def forget(self, request_ids: set[str] | frozenset[str]) -> None:
-        for row, owner in enumerate(self.row_owner):
-            if owner in request_ids:
-                self.row_owner[row] = None
+        self.row_owner[row] = block_ids
 
     def clear_rows(self, start: int, end: int) -> None:
         stale = self.row_blocks[start:end]
@@ -154,11 +153,6 @@ class InputBuffers:
                 query_start_loc_host=self.query_start_loc.cpu[: num_reqs + 1],
             )
         return md
-
-    def forget(self, request_ids: set[str] | frozenset[str]) -> None:
-        """Rows of preempted requests must be rewritten: their blocks were replaced."""
-        for table in self.kv_groups:
-            table.forget(request_ids)
 
     def clear_block_rows(self, start: int, end: int) -> None:
         """Padded rows point at the null block only, in every group."""

@@ -261,10 +261,7 @@ class ModelRunner:
         """One step. `plan` is the driver's dispatch (runtime mode and padded key): every
         rank runs it, or refuses the step if its own graphs say otherwise (no rank ever
         replays while another runs eager)."""
-        states, replaced = self.requests.update(so)
-        if so.preempted_req_ids or replaced:
-            # Their rows were written for blocks that are gone.
-            self.buffers.forget(so.preempted_req_ids | replaced)
+        states = self.requests.update(so)
         batch = self._prepare_inputs(so, states, plan)
         logits, greedy_ids, hidden = self._forward(batch)
         prompt_rows = None

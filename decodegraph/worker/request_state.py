@@ -98,9 +98,6 @@ class CachedRequestState:
             logger.debug("request %s: token %d is outside its grammar", self.req_id, token_id)
 
 
-_NONE: frozenset[str] = frozenset()
-
-
 class RequestStates:
     """Request id -> `CachedRequestState`, updated once per step."""
 
@@ -124,15 +121,14 @@ class RequestStates:
     def __getitem__(self, req_id: str) -> CachedRequestState:
         return self.states[req_id]
 
-    def update(
-        self, so: SchedulerOutput
-    ) -> tuple[list[CachedRequestState], set[str] | frozenset[str]]:
-        """Apply one step's scheduler data; returns the batch's states in batch order,
-        and the ids whose block tables were replaced (resumed after preemption)."""
+    def update(self, so: SchedulerOutput) -> list[CachedRequestState]:
+        """Apply one step's scheduler data; returns the batch's states in batch order. A
+        request resumed after preemption gets new block lists (so the input buffers
+        rewrite its block-table row: `BlockTable.write_row`)."""
         states = self.states
         cached = so.scheduled_cached_reqs
         if not (so.finished_req_ids or so.scheduled_new_reqs or cached.req_ids):
-            return [states[req_id] for req_id in so.req_ids], _NONE  # most decode steps
+            return [states[req_id] for req_id in so.req_ids]  # most decode steps
         for req_id in so.finished_req_ids:
             gone = states.pop(req_id, None)
             if gone is not None and gone.grammar is not None:
@@ -146,7 +142,6 @@ class RequestStates:
                 self.num_with_grammar += 1
             if state.prompt_logprobs is not None:
                 self.collecting_prompt_logprobs.add(new.req_id)
-        replaced: set[str] = set()
         for req_id, resumed, new_block_ids, num_computed in zip(
             cached.req_ids,
             cached.resumed_from_preemption,
@@ -158,8 +153,7 @@ class RequestStates:
             if resumed:
                 state.block_ids = tuple(list(ids) for ids in new_block_ids)
                 state.num_computed_tokens = num_computed
-                replaced.add(req_id)
             else:
                 for table, ids in zip(state.block_ids, new_block_ids, strict=True):
                     table.extend(ids)
-        return [states[req_id] for req_id in so.req_ids], replaced
+        return [states[req_id] for req_id in so.req_ids]

@@ -405,3 +405,25 @@ def test_start_up_logs_each_phase_with_its_seconds(
     (line,) = [r.getMessage() for r in caplog.records if "Engine ready" in r.getMessage()]
     for phase in ("load", "profile", "KV cache", "capture"):
         assert f"{phase} " in line and " s" in line
+
+
+def _stop_string_in(text: str, start: int) -> str:
+    """A 3-character piece of `text` that first occurs at or after `start`."""
+    for i in range(start, len(text) - 3):
+        piece = text[i : i + 3]
+        if text.find(piece) == i:
+            return piece
+    raise AssertionError(f"no fresh 3-character piece in {text!r}")
+
+
+def test_a_reused_request_id_gets_its_own_block_table_row(stories_dir: Path) -> None:
+    """Request ids r0..r2 again, after a run in which a stop string ended r0 early (so
+    the next run's blocks differ from the last one's): each row of the block table is
+    rewritten for the new request, never kept as the finished one with that id left it."""
+    engine = make_engine(stories_dir, enable_prefix_caching=False)
+    prompts = [prompt(9), prompt(5, offset=11), prompt(17, offset=3)]
+    text = run(engine, [prompts[0]], greedy(40, ignore_eos=False))[0][0].outputs[0].text
+    want = ids_of(run(engine, prompts)[0])
+    stopped = SamplingParams(temperature=0.0, max_tokens=40, stop=[_stop_string_in(text, 30)])
+    assert run(engine, prompts, stopped)[0][0].outputs[0].finish_reason == "stop"
+    assert ids_of(run(engine, prompts)[0]) == want
