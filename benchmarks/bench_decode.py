@@ -4,13 +4,14 @@ Every side runs the same workloads at the same intra-op thread count (--threads,
 default), in rounds that run every side once each, so that a noisy phase of this shared
 machine hits every side of a ratio:
 - batch 1: one request generates --tokens tokens from BOS (EOS ignored); tokens/s is one
-  over the median decode-step time for the engine, llama2.c's own "achieved tok/s" (from
+  over the median decode-step time per token for the engine, llama2.c's own "achieved tok/s" (from
   its second token), tokens over wall time for CTranslate2 and transformers;
 - batched: --num-requests requests x --batch-tokens tokens, tokens over wall time (not
   llama2.c, which has no batching).
-Per engine mode: medians over rounds, and the median over rounds of its tokens/s over each
-peer's in the same round; the engine's own per-step work at batch 1 (median step time
-minus median forward); start-up seconds, capture seconds and graph count.
+Per engine mode (and --num-scheduler-steps setting): medians over rounds, and the median
+over rounds of its tokens/s over each peer's in the same round; the engine's own work per
+token at batch 1 (median step time per token minus median forward); start-up seconds,
+capture seconds and graph count.
 
 Every row also shows the fraction of the memory-bandwidth floor it reaches: the bytes a
 decode step must read (every weight once, the LM head rather than the embedding, and each
@@ -27,6 +28,7 @@ Prints tables and saves JSON under benchmarks/results/.
     python benchmarks/bench_decode.py                       # every mode, every peer
     python benchmarks/bench_decode.py --modes NONE FULL_DECODE_ONLY --peers ctranslate2
     python benchmarks/bench_decode.py --modes FULL_DECODE_ONLY --mid-size --skip-throughput
+    python benchmarks/bench_decode.py --modes FULL_DECODE_ONLY --num-scheduler-steps 1 8
 
 On an AVX-512 machine, every side can be held to AVX2 code (what an AVX2-only CPU runs,
 on this machine's caches and memory): torch's kernels and Inductor's generated code
@@ -85,8 +87,9 @@ class Job(NamedTuple):
 
 
 def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
-    """One batch-1 request of `tokens` tokens from BOS, stepped by hand: the seconds of
-    each decode step and of the model forward inside it (the prefill step dropped)."""
+    """One batch-1 request of `tokens` tokens from BOS, stepped by hand: the seconds per
+    token of each decode step (a multi-step batch's seconds over its tokens) and of
+    each model forward (the prefill step dropped)."""
     engine = llm.llm_engine
     runner = engine.runner
     forward_times: list[float] = []
@@ -109,9 +112,11 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
         engine.add_request("decode", {"prompt_token_ids": [1]}, params)
         step_times = []
         while engine.has_unfinished_requests():
+            forwards = len(forward_times)
             start = time.perf_counter()
             engine.step()
-            step_times.append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            step_times.append(elapsed / max(1, len(forward_times) - forwards))
     finally:
         runner._forward = original
     return step_times[1:], forward_times[1:]
@@ -121,7 +126,8 @@ class EngineSide:
     """decodegraph in one graph mode; keeps every batch-1 step and forward time."""
 
     def __init__(self, model: str, mode: str, use_inductor: bool, **engine_kwargs: Any) -> None:
-        self.name = mode
+        steps = engine_kwargs.get("num_scheduler_steps", 1)
+        self.name = mode if steps == 1 else f"{mode} x{steps}"
         start = time.perf_counter()
         compilation = {"cudagraph_mode": mode, "use_inductor": use_inductor}
         sizes = engine_kwargs.pop("capture_sizes", None)
@@ -303,6 +309,13 @@ def main() -> None:
     p.add_argument("--no-inductor", action="store_true", help="CPU graphs replay the raw trace")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads, every side")
     p.add_argument(
+        "--num-scheduler-steps",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="engine sides per mode, one per multi-step setting (a row each)",
+    )
+    p.add_argument(
         "--llama2c-march",
         default="native",
         help="gcc -march for llama2.c (x86-64-v3: AVX2 code, to run beside the AVX2-only "
@@ -388,8 +401,9 @@ def main() -> None:
         # Every side is built before the first round, so that none gains from running
         # later (warm caches).
         engines = [
-            EngineSide(str(path), m, not args.no_inductor, **engine_kwargs)
+            EngineSide(str(path), m, not args.no_inductor, num_scheduler_steps=k, **engine_kwargs)
             for m in dict.fromkeys(modes)
+            for k in dict.fromkeys(args.num_scheduler_steps)
         ]
         others, skipped = build_peers(
             peer_names, path, dtype, args.threads, work, args.llama2c_march

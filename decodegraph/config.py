@@ -127,9 +127,15 @@ class SchedulerConfig:
     # engine/arg_utils.py); without chunked prefill, max(max_model_len, 2048).
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Decode steps run per scheduling (vLLM's multi-step scheduling): while every running
+    # request is decoding and none waits, one schedule() plans up to this many steps,
+    # which the runner runs back to back; the scheduler, dispatch and output processing
+    # then run once per batch of steps instead of once per token.
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
+        _positive("num_scheduler_steps", self.num_scheduler_steps)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
 
 

@@ -88,11 +88,20 @@ class SchedulerOutput:
     # Requests finished or aborted since the previous schedule() call: the runner
     # drops whatever it keeps for them.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Steps the runner runs for this batch (multi-step scheduling, only for a batch of
+    # decoding requests): the first as above, each later one computing every request's
+    # token sampled by the step before (`continuation()`).
+    num_steps: int = 1
 
     @property
     def num_reqs(self) -> int:
         """Number of scheduled requests."""
         return len(self.req_ids)
+
+    def continuation(self) -> SchedulerOutput:
+        """A multi-step batch's later step: the same requests, one token each, and
+        nothing new for the runner (their blocks came with the first step)."""
+        return SchedulerOutput(self.req_ids, self.num_scheduled_tokens, self.num_reqs)
 
 
 @dataclass
@@ -110,6 +119,9 @@ class ModelRunnerOutput:
     # Request id -> its whole prompt logprobs (None for the first token, then one dict
     # per prompt token), sent with the step that samples its first token.
     prompt_logprobs_dict: dict[str, list[dict[int, Logprob] | None]] = field(default_factory=dict)
+    # A multi-step batch's later steps (SchedulerOutput.num_steps - 1 of them), in order:
+    # their sampled tokens and logprobs, parallel to req_ids like this step's.
+    later_steps: list[ModelRunnerOutput] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from decodegraph.config import CacheConfig, SchedulerConfig
 from decodegraph.core.kv_cache_manager import GroupBlocks, KVCacheManager
@@ -32,6 +33,9 @@ from decodegraph.core.sched_output import (
     SchedulerOutput,
 )
 from decodegraph.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from decodegraph.outputs import Logprob
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ class Scheduler:
             2048, max_model_len
         )
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.num_scheduler_steps = scheduler_config.num_scheduler_steps
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
         if not self.enable_chunked_prefill and self.max_num_scheduled_tokens < max_model_len:
@@ -191,6 +196,8 @@ class Scheduler:
 
         # Running requests, highest priority (earliest arrival) first.
         running = self.running
+        # Steps after the first that this batch runs (multi-step: 0 unless it may).
+        lookahead = self._multi_step_lookahead() if self.num_scheduler_steps > 1 else 0
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
@@ -199,7 +206,15 @@ class Scheduler:
                 token_budget,
                 self.max_chunk_tokens,
             )
-            new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            new_blocks = None
+            if lookahead:
+                # Slots for every step's token now; without room, the batch runs one
+                # step (a request allocated ahead uses its slots in the steps to come).
+                new_blocks = kv.allocate_slots(request, num_new + lookahead)
+                if new_blocks is None:
+                    lookahead = 0
+            if new_blocks is None:
+                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
             if new_blocks is None:
                 break  # the request preempted itself: it was the tail, nothing is left
             scheduled.append(request)
@@ -266,7 +281,28 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             preempted_req_ids=preempted,
             finished_req_ids=finished,
+            num_steps=lookahead + 1,
         )
+
+    def _multi_step_lookahead(self) -> int:
+        """How many steps after the first this schedule() may plan (multi-step
+        scheduling): while nothing waits and every running request decodes one token,
+        up to num_scheduler_steps in all, but no request past its max_tokens or length
+        (no step computes a token nobody may keep, barring a stop token or string)."""
+        if self.waiting or not self.running:
+            return 0
+        steps = min(self.num_scheduler_steps, self.max_chunk_tokens)
+        max_len = self.max_request_len
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                return 0
+            steps = min(steps, max_len - request.num_tokens)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                steps = min(steps, max_tokens - request.num_output_tokens)
+        if len(self.running) > self.max_num_scheduled_tokens:
+            return 0
+        return max(steps - 1, 0)
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: set[str]
@@ -310,6 +346,7 @@ class Scheduler:
         sampled_token_ids = model_output.sampled_token_ids
         logprobs = model_output.logprobs
         prompt_logprobs = model_output.prompt_logprobs_dict
+        later_steps = model_output.later_steps
         num_scheduled = scheduler_output.num_scheduled_tokens
         outputs: list[EngineCoreOutput] = []
         stopped: list[Request] = []
@@ -333,6 +370,14 @@ class Scheduler:
                 cache_full_blocks(request)
             num_generated += 1
             finished = check_stop(request, token_id)
+            req_logprobs = logprobs[i] if logprobs is not None else None
+            new_logprobs = [req_logprobs] if req_logprobs is not None else None
+            new_token_ids = [token_id]
+            if later_steps and not finished:
+                finished = self._append_later_steps(
+                    request, i, later_steps, new_token_ids, new_logprobs
+                )
+                num_generated += len(new_token_ids) - 1
             if finished:
                 stopped.append(request)
             if request.final_output_only:
@@ -340,10 +385,6 @@ class Scheduler:
                     continue
                 new_token_ids = list(request.output_token_ids)  # its one output: every token
                 new_logprobs = None
-            else:
-                new_token_ids = [token_id]
-                req_logprobs = logprobs[i] if logprobs is not None else None
-                new_logprobs = [req_logprobs] if req_logprobs is not None else None
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -366,6 +407,31 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
+
+    def _append_later_steps(
+        self,
+        request: Request,
+        i: int,
+        later_steps: list[ModelRunnerOutput],
+        new_token_ids: list[int],
+        new_logprobs: list[dict[int, Logprob]] | None,
+    ) -> bool:
+        """A multi-step batch's later tokens of batch row `i`, appended (to the request,
+        `new_token_ids` and `new_logprobs`) until one stops it; the runner's tokens
+        after that are dropped. True when the request finished."""
+        block_size = self.block_size
+        for out in later_steps:
+            token_id = out.sampled_token_ids[i]
+            request.num_computed_tokens += 1
+            request.append_output_token(token_id)
+            if request.num_computed_tokens % block_size == 0:
+                self.kv_cache_manager.cache_full_blocks(request)
+            new_token_ids.append(token_id)
+            if new_logprobs is not None:
+                new_logprobs.append(out.logprobs[i])
+            if self._check_stop(request, token_id):
+                return True
+        return False
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Apply the stop rules for a just-appended token; sets status and stop_reason."""

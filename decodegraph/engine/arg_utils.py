@@ -67,6 +67,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    num_scheduler_steps: int = 1
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     nnodes: int = 1
@@ -125,6 +126,14 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument(
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+        )
+        g.add_argument(
+            "--num-scheduler-steps",
+            type=int,
+            default=1,
+            help="decode steps per scheduling while every request decodes and none waits "
+            "(vLLM's multi-step scheduling): less engine work per token, tokens arrive in "
+            "bursts of this many",
         )
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
         g.add_argument(
@@ -206,6 +215,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            num_scheduler_steps=self.num_scheduler_steps,
         )
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,

@@ -288,7 +288,7 @@ class EngineCore:
         num_reqs = sched_out.num_reqs
         uniform = num_tokens == num_reqs
         plan = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
-        self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
+        self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += sched_out.num_steps
         try:
             runner_out = self.executor.execute_model(sched_out, plan)
         except BaseException as e:

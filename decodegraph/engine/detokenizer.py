@@ -64,6 +64,8 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.output_token_ids: list[int] = []
         self.stopped = False
+        # Tokens of the last update() past the one that completed a stop string.
+        self.num_dropped = 0
         # With no stop strings and only the final text wanted (LLM.generate), tokens are
         # fed to the stream when the text is asked for: the same stream steps in the same
         # order, without per-step Python around each.
@@ -100,8 +102,18 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add new output tokens; return the stop string they completed, if any (the text
-        is then cut before it, or after it with `include_stop_str_in_output`)."""
+        is then cut before it, or after it with `include_stop_str_in_output`). Of several
+        tokens (a multi-step batch's), those after the one completing a stop string are
+        not taken: `num_dropped` says how many."""
+        self.num_dropped = 0
         if self.stopped:
+            return None
+        if len(new_token_ids) > 1 and self._stop:
+            for j, token_id in enumerate(new_token_ids):
+                stop = self.update([token_id])
+                if stop is not None:
+                    self.num_dropped = len(new_token_ids) - j - 1
+                    return stop
             return None
         self.output_token_ids += new_token_ids
         if self._deferred:

@@ -192,20 +192,13 @@ class OutputProcessor:
             if metrics.first_token_time is None:
                 metrics.first_token_time = out.first_token_time or now
             metrics.last_token_time = now
-        child.token_ids += new_ids
         if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
             parent.prompt_logprobs = self._with_prompt_texts(
                 parent.prompt_token_ids, out.prompt_logprobs, params
             )
-        if child.logprobs is not None and out.new_logprobs:
-            for token_id, entry in zip(new_ids, out.new_logprobs, strict=True):
-                if child.token_texts is not None:
-                    _fill_decoded_tokens(child.token_texts, token_id, entry)
-                child.logprobs.append(entry)
-                assert child.cumulative_logprob is not None
-                child.cumulative_logprob += entry[token_id].logprob
 
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        new_logprobs = out.new_logprobs
         stopped_by_string = False
         if child.detokenizer is not None:
             text_ids = new_ids
@@ -220,6 +213,19 @@ class OutputProcessor:
             if stop_string is not None:
                 stopped_by_string = finish_reason is None
                 finish_reason, stop_reason = "stop", stop_string
+                # Of a multi-step batch's tokens, none after the stop string's last.
+                kept = len(text_ids) - child.detokenizer.num_dropped
+                if kept < len(new_ids):
+                    new_ids = new_ids[:kept]
+                    new_logprobs = new_logprobs[:kept] if new_logprobs else new_logprobs
+        child.token_ids += new_ids
+        if child.logprobs is not None and new_logprobs:
+            for token_id, entry in zip(new_ids, new_logprobs, strict=True):
+                if child.token_texts is not None:
+                    _fill_decoded_tokens(child.token_texts, token_id, entry)
+                child.logprobs.append(entry)
+                assert child.cumulative_logprob is not None
+                child.cumulative_logprob += entry[token_id].logprob
         if finish_reason is not None:
             child.finish_reason, child.stop_reason = finish_reason, stop_reason
             parent.num_unfinished -= 1

@@ -258,9 +258,17 @@ class ModelRunner:
 
     @_in_inference_mode
     def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> ModelRunnerOutput:
-        """One step. `plan` is the driver's dispatch (runtime mode and padded key): every
-        rank runs it, or refuses the step if its own graphs say otherwise (no rank ever
-        replays while another runs eager)."""
+        """One batch: its step, then the later steps of a multi-step batch, each feeding
+        the tokens the step before sampled. `plan` is the driver's dispatch (runtime mode
+        and padded key): every rank runs it, or refuses the step if its own graphs say
+        otherwise (no rank ever replays while another runs eager)."""
+        output = self._execute_step(so, plan)
+        if so.num_steps > 1:
+            later = so.continuation()
+            output.later_steps = [self._execute_step(later, plan) for _ in range(so.num_steps - 1)]
+        return output
+
+    def _execute_step(self, so: SchedulerOutput, plan: StepPlan | None) -> ModelRunnerOutput:
         states = self.requests.update(so)
         batch = self._prepare_inputs(so, states, plan)
         logits, greedy_ids, hidden = self._forward(batch)

@@ -89,14 +89,15 @@ def test_script_prints_every_side_and_saves_floor_fractions(tmp_path: Path) -> N
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--modes", "NONE",
            "--no-inductor", "--tokens", "64", "--repeats", "1", "--num-requests", "2",
-           "--batch-tokens", "4", "--throughput-repeats", "1", "--out", str(out)]  # fmt: skip
+           "--batch-tokens", "4", "--throughput-repeats", "1", "--num-scheduler-steps", "1",
+           "4", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = result["models"]["stories260K"]["rows"]
     assert result["bandwidth_gbs"]["floor"] > 0
     skipped = rows.get("_skipped", {})
-    for side in ("NONE", "ctranslate2", "llama2.c", "transformers"):
+    for side in ("NONE", "NONE x4", "ctranslate2", "llama2.c", "transformers"):
         if side in skipped:
             continue
         assert rows[side]["batch1_tokens_per_s"] > 0

@@ -79,6 +79,14 @@ class KVModel:
         return getattr(group.spec, "sliding_window", None)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One batch, as the runner runs it: its step, then a multi-step batch's later
+        steps (`SchedulerOutput.continuation`)."""
+        out = self._execute_step(so)
+        later = so.continuation()
+        out.later_steps = [self._execute_step(later) for _ in range(so.num_steps - 1)]
+        return out
+
+    def _execute_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         bs = self.block_size
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens)
         self._update(so)
@@ -119,9 +127,10 @@ def make_scheduler(
     max_num_batched_tokens: int | None = None,
     chunked: bool = True,
     prefix_caching: bool = True,
+    num_scheduler_steps: int = 1,
 ) -> tuple[Scheduler, KVModel]:
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked),
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked, num_scheduler_steps),
         CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=prefix_caching),
         max_model_len=max_model_len,
         num_blocks=num_blocks,
@@ -409,8 +418,10 @@ def test_request_aborted_between_schedule_and_update_is_skipped() -> None:
     assert_all_blocks_free(sched)
 
 
-def _stop_run(prompt: list[int], eos: int | None = None, **params) -> Request:
-    sched, model = make_scheduler()
+def _stop_run(
+    prompt: list[int], eos: int | None = None, num_scheduler_steps: int = 1, **params
+) -> Request:
+    sched, model = make_scheduler(num_scheduler_steps=num_scheduler_steps)
     req = make_request("s", prompt, eos=eos, **params)
     sched.add_request(req)
     run_to_completion(sched, model)
@@ -542,3 +553,97 @@ def test_other_requests_get_an_output_per_token(params: dict) -> None:
         [[t]] for t in req.output_token_ids
     ]
     assert counts == [1, 2, 3, 4, 5]
+
+
+# -- multi-step scheduling (num_scheduler_steps) ----------------------------------------
+
+
+def _run_multi_step(
+    prompts: dict[str, list[int]], num_steps: int, num_blocks: int = 64, **params
+) -> tuple[dict[str, list[int]], list[int], dict[str, list[int]]]:
+    """Outputs of a multi-step run, each batch's step count, and the tokens of each
+    request's outputs joined (what the engine's output processor receives)."""
+    sched, model = make_scheduler(num_blocks=num_blocks, num_scheduler_steps=num_steps)
+    reqs = [make_request(rid, p, **params) for rid, p in prompts.items()]
+    for r in reqs:
+        sched.add_request(r)
+    steps: list[int] = []
+    streamed: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        so, outs = step(sched, model)
+        steps.append(so.num_steps)
+        for o in outs:
+            streamed[o.request_id] += o.new_token_ids
+    assert_all_blocks_free(sched)
+    return {r.request_id: r.output_token_ids for r in reqs}, steps, streamed
+
+
+@pytest.mark.parametrize("num_steps", [2, 4, 7])
+def test_multi_step_batches_give_the_outputs_of_single_steps(num_steps: int) -> None:
+    ref = reference_outputs(PROMPTS, max_tokens=19)
+    out, steps, streamed = _run_multi_step(PROMPTS, num_steps, max_tokens=19)
+    assert out == ref and streamed == ref
+    assert max(steps) == num_steps  # it did run multi-step batches
+    # Fewer scheduler steps than tokens: the point of it.
+    assert len(steps) < 19 + 1
+
+
+def test_multi_step_runs_only_while_every_request_decodes_and_none_waits() -> None:
+    sched, model = make_scheduler(num_scheduler_steps=4)
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=30))
+    assert step(sched, model)[0].num_steps == 1  # the prompt
+    assert step(sched, model)[0].num_steps == 4  # decoding alone
+    sched.add_request(make_request("b", [4, 5, 6, 7, 8, 9], max_tokens=30))
+    so, _ = step(sched, model)
+    assert so.num_steps == 1 and so.num_scheduled_tokens == [1, 6]  # b's prompt: one step
+    assert step(sched, model)[0].num_steps == 4  # both decode now
+
+
+def test_multi_step_never_plans_past_max_tokens_or_the_model_length() -> None:
+    _, steps, _ = _run_multi_step({"a": [1, 2, 3]}, 8, max_tokens=6)
+    assert steps == [1, 5]  # the prompt's token, then the 5 left
+    sched, model = make_scheduler(max_model_len=10, num_scheduler_steps=8)
+    req = make_request("a", [1, 2, 3], max_tokens=None)
+    sched.add_request(req)
+    counts = [step(sched, model)[0].num_steps for _ in range(2)]
+    assert counts == [1, 6] and req.num_tokens == 10
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_a_stop_token_inside_a_multi_step_batch_drops_the_tokens_after_it() -> None:
+    req = _stop_run(STOP_PROMPT, eos=REF[STOP_AT], num_scheduler_steps=8, max_tokens=12)
+    assert req.output_token_ids == REF[: STOP_AT + 1]
+    assert req.status == RequestStatus.FINISHED_STOPPED
+    req = _stop_run(STOP_PROMPT, stop_token_ids=[REF[STOP_AT]], num_scheduler_steps=8)
+    assert req.output_token_ids == REF[: STOP_AT + 1] and req.stop_reason == REF[STOP_AT]
+
+
+def test_multi_step_under_a_tiny_kv_cache_falls_back_without_changing_outputs() -> None:
+    """Too few blocks for every step's slots: the batch runs one step (preempting no
+    more than a single step would); the outputs stay those of a roomy cache."""
+    ref = reference_outputs(PROMPTS, max_tokens=19)
+    out, steps, streamed = _run_multi_step(PROMPTS, 6, num_blocks=14, max_tokens=19)
+    assert out == ref and streamed == ref
+    assert 1 in steps[3:] and 6 in steps
+
+
+def test_multi_step_logprobs_arrive_one_per_token() -> None:
+    sched, model = make_scheduler(num_scheduler_steps=3)
+    sched.add_request(make_request("a", [1, 2], max_tokens=4, logprobs=0))
+    step(sched, model)  # the prompt
+    so = sched.schedule()
+    assert so.num_steps == 3
+    mo = model.execute(so)
+    for k, out in enumerate([mo, *mo.later_steps]):
+        out.logprobs = [{out.sampled_token_ids[0]: Logprob(-float(k), rank=1)}]
+    (eco,) = sched.update_from_output(so, mo)
+    assert len(eco.new_token_ids) == 3 and eco.finish_reason == "length"
+    pairs = zip(eco.new_logprobs, eco.new_token_ids, strict=True)
+    assert [lp[t].logprob for lp, t in pairs] == [0, -1, -2]
+
+
+def test_num_scheduler_steps_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=0)

@@ -184,6 +184,25 @@ def test_two_ranks_give_the_ids_of_one_eager_and_with_full_decode_graphs(
         llm.llm_engine.shutdown()
 
 
+def test_two_ranks_run_multi_step_batches_with_the_ids_of_one(
+    model_dirs: dict[str, Path], reference: object
+) -> None:
+    """num_scheduler_steps=4: every rank replays each later step of a batch over the
+    tokens rank 0 sampled and broadcast in the step before."""
+    llm = tp_llm(model_dirs["stories"], "FULL_DECODE_ONLY", 2, num_scheduler_steps=4)
+    try:
+        check_tp_run(llm, "stories", reference, "FULL_DECODE_ONLY")
+        engine = llm.llm_engine
+        engine.add_request("alone", {"prompt_token_ids": [1, 5]}, greedy(NUM_TOKENS))
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            engine.step()
+        assert steps == 1 + -(-(NUM_TOKENS - 1) // 4)  # the prompt, then batches of 4
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_a_rank_whose_graphs_differ_from_the_plan_fails_the_step_and_hangs_nobody(
     stories_dir: Path,
 ) -> None:

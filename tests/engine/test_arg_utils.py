@@ -139,3 +139,18 @@ def test_max_logprobs_flag_reaches_the_model_config(stories_dir: Path) -> None:
     assert EngineArgs.from_cli_args(default).create_engine_config().model_config.max_logprobs == 20
     with pytest.raises(ValueError, match="^max_logprobs:"):
         EngineArgs(model=str(stories_dir), max_logprobs=-2).create_engine_config()
+
+
+def test_num_scheduler_steps_flag_reaches_the_scheduler_config(stories_dir: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", str(stories_dir), "--num-scheduler-steps", "8"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.scheduler_config.num_scheduler_steps == 8
+    default = parser.parse_args(["--model", str(stories_dir)])
+    sc = EngineArgs.from_cli_args(default).create_engine_config().scheduler_config
+    assert sc.num_scheduler_steps == 1
+    with pytest.raises(ValueError, match="^num_scheduler_steps:"):
+        EngineArgs(model=str(stories_dir), num_scheduler_steps=0).create_engine_config()

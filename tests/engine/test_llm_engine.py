@@ -416,6 +416,71 @@ def _stop_string_in(text: str, start: int) -> str:
     raise AssertionError(f"no fresh 3-character piece in {text!r}")
 
 
+def test_multi_step_batches_change_no_ids_text_logprobs_or_stops(
+    stories_dir: Path, ref: LLMEngine
+) -> None:
+    """num_scheduler_steps=6 against single steps: greedy, seeded, logprobs, streaming
+    deltas, and a stop string completed inside a batch of steps (the tokens after it
+    are dropped), on the real model; every block free afterwards."""
+    prompts = [prompt(9), prompt(5, offset=11), prompt(17, offset=3)]
+    text = run(ref, [prompts[0]], greedy(40, ignore_eos=False))[0][0].outputs[0].text
+    stop = _stop_string_in(text, 30)
+    cases = [
+        greedy(30, ignore_eos=False),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=30),
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[stop]),
+    ]
+    multi = make_engine(stories_dir, num_scheduler_steps=6)
+    for params in cases:
+        want, _, want_steps = run(ref, prompts, params)
+        got, _, got_steps = run(multi, prompts, params)
+        for g, w in zip(got, want, strict=True):
+            g, w = g.outputs[0], w.outputs[0]
+            assert (g.token_ids, g.finish_reason, g.stop_reason) == (
+                w.token_ids,
+                w.finish_reason,
+                w.stop_reason,
+            )
+            assert g.text == w.text
+            if params.logprobs:
+                assert [list(lp) for lp in g.logprobs] == [list(lp) for lp in w.logprobs]
+                assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob)
+        assert got_steps < want_steps
+    assert want[0].outputs[0].stop_reason == stop  # the stop string did stop it
+    # Streamed deltas arrive in bursts and join to the same tokens and text.
+    delta = SamplingParams(temperature=0.0, max_tokens=30, output_kind=RequestOutputKind.DELTA)
+    for i, p in enumerate(prompts):
+        multi.add_request(f"d{i}", {"prompt_token_ids": p}, delta)
+    joined: dict[str, tuple[list[int], str]] = {f"d{i}": ([], "") for i in range(len(prompts))}
+    sizes = set()
+    while multi.has_unfinished_requests():
+        for out in multi.step():
+            ids, text = joined[out.request_id]
+            joined[out.request_id] = (ids + out.outputs[0].token_ids, text + out.outputs[0].text)
+            sizes.add(len(out.outputs[0].token_ids))
+    want = run(ref, prompts, greedy(30, ignore_eos=False))[0]
+    for i, w in enumerate(want):
+        assert joined[f"d{i}"] == (w.outputs[0].token_ids, w.outputs[0].text)
+    assert max(sizes) == 6
+    assert_all_blocks_free(multi)
+
+
+def test_eos_inside_a_multi_step_batch_ends_the_request_there(tmp_path: Path) -> None:
+    """The checkpoint's EOS is its greedy output's 4th token or later: with 8 steps per
+    batch the steps after it run, and their tokens are dropped."""
+    kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "max_model_len": 128}
+    plain = LLM(str(make_checkpoint(tmp_path / "plain", "llama-gqa")), **kwargs)
+    ids = plain.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)[0]
+    ids = ids.outputs[0].token_ids
+    eos = next(t for t in ids[3:] if t != 1)
+    path = make_checkpoint(tmp_path / "eos", "llama-gqa", eos_token_id=eos)
+    llm = LLM(str(path), num_scheduler_steps=8, **kwargs)
+    out = llm.generate({"prompt_token_ids": EOS_PROMPT}, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(eos) + 1] and out.finish_reason == "stop"
+    assert_all_blocks_free(llm.llm_engine)
+
+
 def test_a_reused_request_id_gets_its_own_block_table_row(stories_dir: Path) -> None:
     """Request ids r0..r2 again, after a run in which a stop string ended r0 early (so
     the next run's blocks differ from the last one's): each row of the block table is

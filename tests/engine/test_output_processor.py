@@ -115,6 +115,35 @@ def test_stop_string_finishes_the_child_and_asks_to_abort_it(tokenizer, text_ids
     assert processor.has_unfinished_requests()  # p-1 still runs
 
 
+def test_a_stop_string_inside_several_tokens_keeps_none_after_it(tokenizer, text_ids) -> None:
+    """A multi-step batch's tokens arrive together: the output ends with the token that
+    completed the stop string, as token by token; its logprobs and sum too."""
+    single = OutputProcessor(tokenizer)
+    add(single, stop=["little"])
+    want = None
+    for token_id in text_ids:
+        want = step(single, EngineCoreOutput("p", [token_id])).request_outputs[0].outputs[0]
+        if want.finished():
+            break
+    assert want is not None and want.stop_reason == "little"
+    processor = OutputProcessor(tokenizer)
+    add(processor, stop=["little"], logprobs=0)
+    # The last output's tokens run past the stop string and end with the EOS.
+    tokens = [*text_ids, EOS]
+    lps = [{t: Logprob(-1.0, 1)} for t in tokens]
+    result = step(
+        processor,
+        EngineCoreOutput("p", tokens[:3], new_logprobs=lps[:3]),
+        EngineCoreOutput("p", tokens[3:], new_logprobs=lps[3:], finish_reason="stop"),
+    )
+    got = result.request_outputs[-1].outputs[0]
+    assert result.reqs_to_abort == []  # the scheduler finished it already (EOS)
+    assert (got.token_ids, got.text) == (want.token_ids, want.text)
+    assert (got.finish_reason, got.stop_reason) == ("stop", "little")
+    assert got.logprobs is not None and len(got.logprobs) == len(want.token_ids)
+    assert got.cumulative_logprob == pytest.approx(-len(want.token_ids))
+
+
 def test_stop_token_text_is_dropped_unless_included(tokenizer) -> None:
     period = tokenizer.encode("cat.", add_special_tokens=False)
     for include, expected in ((False, "cat"), (True, "cat.")):

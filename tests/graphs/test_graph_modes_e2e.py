@@ -46,6 +46,8 @@ CONFIGS: dict[str, dict[str, object]] = {
     # 15 decodes fill all but one token of the budget: a long prompt is fed one token per
     # step, so uniform one-token batches hold a row that does not sample.
     "one-token-chunks": {"max_model_len": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16},
+    # Multi-step scheduling: a pure-decode batch runs up to 5 steps back to back.
+    "multi-step": {"max_model_len": 128, "max_num_seqs": 32, "num_scheduler_steps": 5},
 }
 
 
@@ -116,6 +118,30 @@ def _compare(
     before = dict(llm.llm_engine.runner.graph_runner.mode_counts)
     assert _run(llm, prompts, max_tokens) == expected
     return _ran(llm, before)
+
+
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_multi_step_batches_replay_graphs_and_give_single_step_ids(
+    engine: Callable[..., LLM], mode: str
+) -> None:
+    """num_scheduler_steps=5: each later step of a batch replays the decode graph over
+    the tokens the step before sampled; the ids are those of single-step NONE, and the
+    engine schedules fewer times than it decodes."""
+    prompts = _prompts("stories", 3, (1, 15), seed=5)
+    expected = _run(engine("stories", "NONE"), prompts, 20)
+    llm = engine("stories", mode, "multi-step")
+    before = dict(llm.llm_engine.runner.graph_runner.mode_counts)
+    engine_ = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine_.add_request(f"m{i}", {"prompt_token_ids": p}, greedy(20))
+    finished, steps = {}, 0
+    while engine_.has_unfinished_requests():
+        steps += 1
+        finished |= {o.request_id: o for o in engine_.step() if o.finished}
+    got = [finished[f"m{i}"].outputs[0].token_ids for i in range(len(prompts))]
+    assert got == expected
+    assert steps <= 1 + -(-19 // 5) + 1  # the prompts, then batches of up to 5 decodes
+    assert _ran(llm, before).get("FULL", 0) >= 19
 
 
 def _batch_cases() -> Iterator[object]:

@@ -47,9 +47,7 @@ def test_a_resumed_request_gets_its_whole_new_table_and_keeps_its_tokens() -> No
     cached = CachedRequestData()
     cached.append("a", True, ([9, 10],), 0)
     old_table = states["a"].block_ids[0]
-    batch = states.update(
-        _step(["a"], [3], scheduled_cached_reqs=cached, preempted_req_ids=set())
-    )
+    batch = states.update(_step(["a"], [3], scheduled_cached_reqs=cached, preempted_req_ids=set()))
     assert batch[0].block_ids == ([9, 10],) and batch[0].num_computed_tokens == 0
     assert batch[0].all_token_ids == [1, 5, 11]
     assert batch[0].block_ids[0] is not old_table  # a new list: its row is rewritten

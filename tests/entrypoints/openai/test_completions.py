@@ -205,3 +205,31 @@ def test_logprobs_have_one_entry_per_token_with_top_alternatives(
         assert 3 <= len(top) <= 4
         # Greedy: the sampled token is the most likely one.
         assert lp == pytest.approx(max(top.values()))
+
+
+def test_a_multi_step_server_streams_bursts_that_join_to_single_step_text(
+    client: openai.OpenAI, stories_dir
+) -> None:
+    """`--num-scheduler-steps 5` with the engine core in its own process: streamed
+    chunks carry up to 5 tokens each and join to the single-step server's text; a stop
+    string inside a burst ends the text where it ends token by token."""
+    from tests.utils.server import make_engine, start_server
+
+    multi = start_server(make_engine(stories_dir, engine_core_process=True, num_scheduler_steps=5))
+    try:
+        other = multi.client()
+        body = {"ignore_eos": True}
+        for stop in (None, [" the"]):
+            kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0.0)
+            want = client.completions.create(**kwargs, stop=stop, extra_body=body).choices[0]
+            plain = other.completions.create(**kwargs, stop=stop, extra_body=body).choices[0]
+            chunks = list(
+                other.completions.create(**kwargs, stop=stop, extra_body=body, stream=True)
+            )
+            assert (plain.text, plain.finish_reason) == (want.text, want.finish_reason)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+            assert chunks[-1].choices[0].finish_reason == want.finish_reason
+            assert len(chunks) < 40 // 2
+        assert want.finish_reason == "stop"  # the stop string ended it
+    finally:
+        multi.stop()
