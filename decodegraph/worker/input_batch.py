@@ -195,6 +195,42 @@ class InputBatch:
             batch_descriptor=key,
         )
 
+    def advance(self, states: list[CachedRequestState], buffers: InputBuffers) -> InputBatch:
+        """The next step of a multi-step batch, written into `buffers`: the same rows,
+        each request computing the one token it sampled last step. Only what moves is
+        written (token ids, positions, slots, context lengths): the block-table rows
+        already hold every step's blocks, and the padding stays."""
+        b, bs = buffers, buffers.block_size
+        b.wait_for_copies()
+        ids, pos, seq_lens = b.input_ids.np, b.positions.np, b.seq_lens.np
+        slot_arrays = [table.slot_mapping.np for table in b.kv_groups]
+        seq_lens_cpu: list[int] = []
+        for i, state in enumerate(states):
+            first = state.num_computed_tokens
+            ids[i] = state.all_token_ids[first]
+            pos[i] = first
+            for slots, block_ids in zip(slot_arrays, state.block_ids, strict=True):
+                slots[i] = block_ids[first // bs] * bs + first % bs
+            state.num_computed_tokens = first + 1  # this step computes it
+            seq_lens[i] = first + 1
+            seq_lens_cpu.append(first + 1)
+        b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
+        return InputBatch(
+            self.req_ids,
+            self.num_reqs,
+            self.num_tokens,
+            self.num_reqs_after_padding,
+            self.num_tokens_after_padding,
+            1,
+            max(seq_lens_cpu),
+            True,
+            self.query_start_loc_cpu,
+            seq_lens_cpu,
+            self.sample_rows,
+            self.runtime_mode,
+            self.batch_descriptor,
+        )
+
     def attention_metadata(self, buffers: InputBuffers, group: int = 0) -> AttentionMetadata:
         """This batch's attention metadata over views of `buffers` for KV cache group
         `group` (the buffers' object for this shape, its host values set to this

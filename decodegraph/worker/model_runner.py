@@ -262,15 +262,27 @@ class ModelRunner:
         the tokens the step before sampled. `plan` is the driver's dispatch (runtime mode
         and padded key): every rank runs it, or refuses the step if its own graphs say
         otherwise (no rank ever replays while another runs eager)."""
-        output = self._execute_step(so, plan)
+        output, batch = self._execute_step(so, plan)
         if so.num_steps > 1:
             later = so.continuation()
-            output.later_steps = [self._execute_step(later, plan) for _ in range(so.num_steps - 1)]
+            for _ in range(so.num_steps - 1):
+                step_output, batch = self._execute_step(later, plan, batch)
+                output.later_steps.append(step_output)
         return output
 
-    def _execute_step(self, so: SchedulerOutput, plan: StepPlan | None) -> ModelRunnerOutput:
+    def _execute_step(
+        self, so: SchedulerOutput, plan: StepPlan | None, previous: InputBatch | None = None
+    ) -> tuple[ModelRunnerOutput, InputBatch]:
+        """One step; `previous` is the batch of the step before in a multi-step batch
+        (whose inputs then advance by one token instead of being written afresh)."""
         states = self.requests.update(so)
-        batch = self._prepare_inputs(so, states, plan)
+        if previous is None:
+            batch = self._prepare_inputs(so, states, plan)
+        else:
+            # The plan is the first step's; dispatching again checks this rank agrees.
+            n = previous.num_reqs
+            self.graph_runner.dispatch(n, n, True, plan)
+            batch = previous.advance(states, self.buffers)
         logits, greedy_ids, hidden = self._forward(batch)
         prompt_rows = None
         if self.requests.collecting_prompt_logprobs:
@@ -306,7 +318,7 @@ class ModelRunner:
         if self.requests.collecting_prompt_logprobs:
             output.prompt_logprobs_dict = prompt_logprobs.take_finished(states, rows)
             self.requests.collecting_prompt_logprobs.difference_update(output.prompt_logprobs_dict)
-        return output
+        return output, batch
 
     def _sample(
         self,

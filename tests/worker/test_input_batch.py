@@ -78,6 +78,38 @@ def test_a_request_that_moved_rows_gets_its_block_row_rewritten() -> None:
     assert b.block_tables.np[0, :2].tolist() == [2, 3]
 
 
+def test_advance_writes_what_prepare_writes_for_the_next_decode_step() -> None:
+    """A multi-step batch's later step (InputBatch.advance) leaves the buffers and host
+    values as a fresh prepare() of that step would, across a block boundary and with a
+    padded uniform key; the states advance alike."""
+
+    def decode_states() -> list[CachedRequestState]:
+        # Positions 3 and 7 now: the next step's tokens start blocks 2 and 5 (4 slots
+        # each), which the first step's delta brought.
+        return [_state("a", [1, 2, 3, 4], 3, [1, 2]), _state("b", list(range(8)), 7, [3, 4, 5])]
+
+    key = BatchDescriptor(4, 4, True)
+    advanced, fresh = _buffers(), _buffers()
+    states = decode_states()
+    first = InputBatch.prepare(["a", "b"], states, [1, 1], RuntimeMode.FULL, key, advanced)
+    for s, token in zip(states, (9, 8), strict=True):
+        s.append_output_token(token)
+    batch = first.advance(states, advanced)
+    again = decode_states()
+    for s, token in zip(again, (9, 8), strict=True):
+        s.num_computed_tokens += 1
+        s.append_output_token(token)
+    want = InputBatch.prepare(["a", "b"], again, [1, 1], RuntimeMode.FULL, key, fresh)
+    assert batch == want
+    assert [s.num_computed_tokens for s in states] == [s.num_computed_tokens for s in again]
+    for name in ("input_ids", "positions", "seq_lens", "query_start_loc", "logits_indices"):
+        assert getattr(advanced, name).np.tolist() == getattr(fresh, name).np.tolist(), name
+    assert advanced.slot_mapping.np.tolist() == fresh.slot_mapping.np.tolist()
+    assert advanced.block_tables.np.tolist() == fresh.block_tables.np.tolist()
+    assert advanced.input_ids.np[:2].tolist() == [9, 8]  # the tokens sampled last step
+    assert advanced.slot_mapping.np[:2].tolist() == [2 * BS, 5 * BS]
+
+
 def test_make_dummy_writes_one_token_requests_at_length_one_into_the_null_block() -> None:
     b = _buffers()
     b.slot_mapping.np[:] = 9
