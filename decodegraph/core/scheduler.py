@@ -208,8 +208,9 @@ class Scheduler:
             )
             new_blocks = None
             if lookahead:
-                # Slots for every step's token now; without room, the batch runs one
-                # step (a request allocated ahead uses its slots in the steps to come).
+                # Slots for every step's token now (_multi_step_lookahead saw them free;
+                # should one not fit, the batch runs one step, and a request allocated
+                # ahead uses its slots in the steps to come).
                 new_blocks = kv.allocate_slots(request, num_new + lookahead)
                 if new_blocks is None:
                     lookahead = 0
@@ -288,7 +289,8 @@ class Scheduler:
         """How many steps after the first this schedule() may plan (multi-step
         scheduling): while nothing waits and every running request decodes one token,
         up to num_scheduler_steps in all, but no request past its max_tokens or length
-        (no step computes a token nobody may keep, barring a stop token or string)."""
+        (no step computes a token nobody may keep, barring a stop token or string), and
+        none unless every step's slots are free now."""
         if self.waiting or not self.running:
             return 0
         steps = min(self.num_scheduler_steps, self.max_chunk_tokens)
@@ -300,9 +302,18 @@ class Scheduler:
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 steps = min(steps, max_tokens - request.num_output_tokens)
-        if len(self.running) > self.max_num_scheduled_tokens:
+        if steps < 2 or len(self.running) > self.max_num_scheduled_tokens:
             return 0
-        return max(steps - 1, 0)
+        # Every step's slots must fit in the free blocks as they are: taken ahead, they
+        # must never push a later request of this step into preemption.
+        for m in self.kv_cache_manager.managers:
+            need = sum(
+                m.num_blocks_to_allocate(r.request_id, r.num_computed_tokens + steps, ())
+                for r in self.running
+            )
+            if need > m.pool.num_free_blocks:
+                return 0
+        return steps - 1
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, preempted: set[str]

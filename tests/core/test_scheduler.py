@@ -560,9 +560,10 @@ def test_other_requests_get_an_output_per_token(params: dict) -> None:
 
 def _run_multi_step(
     prompts: dict[str, list[int]], num_steps: int, num_blocks: int = 64, **params
-) -> tuple[dict[str, list[int]], list[int], dict[str, list[int]]]:
-    """Outputs of a multi-step run, each batch's step count, and the tokens of each
-    request's outputs joined (what the engine's output processor receives)."""
+) -> tuple[dict[str, list[int]], list[int], dict[str, list[int]], int]:
+    """Outputs of a multi-step run, each batch's step count, the tokens of each
+    request's outputs joined (what the engine's output processor receives), and the
+    preemptions."""
     sched, model = make_scheduler(num_blocks=num_blocks, num_scheduler_steps=num_steps)
     reqs = [make_request(rid, p, **params) for rid, p in prompts.items()]
     for r in reqs:
@@ -577,13 +578,14 @@ def _run_multi_step(
         for o in outs:
             streamed[o.request_id] += o.new_token_ids
     assert_all_blocks_free(sched)
-    return {r.request_id: r.output_token_ids for r in reqs}, steps, streamed
+    outputs = {r.request_id: r.output_token_ids for r in reqs}
+    return outputs, steps, streamed, sched.num_preemptions
 
 
 @pytest.mark.parametrize("num_steps", [2, 4, 7])
 def test_multi_step_batches_give_the_outputs_of_single_steps(num_steps: int) -> None:
     ref = reference_outputs(PROMPTS, max_tokens=19)
-    out, steps, streamed = _run_multi_step(PROMPTS, num_steps, max_tokens=19)
+    out, steps, streamed, _ = _run_multi_step(PROMPTS, num_steps, max_tokens=19)
     assert out == ref and streamed == ref
     assert max(steps) == num_steps  # it did run multi-step batches
     # Fewer scheduler steps than tokens: the point of it.
@@ -602,7 +604,7 @@ def test_multi_step_runs_only_while_every_request_decodes_and_none_waits() -> No
 
 
 def test_multi_step_never_plans_past_max_tokens_or_the_model_length() -> None:
-    _, steps, _ = _run_multi_step({"a": [1, 2, 3]}, 8, max_tokens=6)
+    _, steps, _, _ = _run_multi_step({"a": [1, 2, 3]}, 8, max_tokens=6)
     assert steps == [1, 5]  # the prompt's token, then the 5 left
     sched, model = make_scheduler(max_model_len=10, num_scheduler_steps=8)
     req = make_request("a", [1, 2, 3], max_tokens=None)
@@ -621,12 +623,27 @@ def test_a_stop_token_inside_a_multi_step_batch_drops_the_tokens_after_it() -> N
 
 
 def test_multi_step_under_a_tiny_kv_cache_falls_back_without_changing_outputs() -> None:
-    """Too few blocks for every step's slots: the batch runs one step (preempting no
-    more than a single step would); the outputs stay those of a roomy cache."""
+    """Too few blocks for every step's slots: the batch runs one step, so taking slots
+    ahead preempts no more than single steps do; the outputs stay a roomy cache's."""
     ref = reference_outputs(PROMPTS, max_tokens=19)
-    out, steps, streamed = _run_multi_step(PROMPTS, 6, num_blocks=14, max_tokens=19)
+    out, steps, streamed, preempted = _run_multi_step(PROMPTS, 6, num_blocks=14, max_tokens=19)
     assert out == ref and streamed == ref
     assert 1 in steps[3:] and 6 in steps
+    *_, single_preempted = _run_multi_step(PROMPTS, 1, num_blocks=14, max_tokens=19)
+    assert 0 < single_preempted and preempted <= single_preempted
+
+
+def test_slots_taken_ahead_never_preempt_a_request_of_the_same_step() -> None:
+    """Two requests each about to start a new block, two blocks free: one step each
+    fits, eight steps each do not. Taking the first request's slots ahead would leave
+    none for the second, which a single step gives room: the batch runs one step."""
+    sched, model = make_scheduler(num_blocks=5, num_scheduler_steps=8)
+    for rid in ("a", "b"):
+        sched.add_request(make_request(rid, [1, 2, 3, 4], max_tokens=30))
+    step(sched, model)  # both prompts: a block each, two of the four usable left
+    so, _ = step(sched, model)
+    assert so.num_steps == 1 and not so.preempted_req_ids
+    assert so.num_scheduled_tokens == [1, 1]
 
 
 def test_multi_step_logprobs_arrive_one_per_token() -> None:
