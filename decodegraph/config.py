@@ -128,7 +128,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     # Decode steps run per scheduling (vLLM's multi-step scheduling): while every running
-    # request is decoding and none waits, one schedule() plans up to this many steps,
+    # request is decoding and no waiting request could be admitted (none waits, or
+    # max_num_seqs are running), one schedule() plans up to this many steps,
     # which the runner runs back to back; the scheduler, dispatch and output processing
     # then run once per batch of steps instead of once per token.
     num_scheduler_steps: int = 1

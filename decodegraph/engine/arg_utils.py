@@ -132,8 +132,8 @@ class EngineArgs:
             type=int,
             default=1,
             help="decode steps per scheduling while every request decodes and none waits "
-            "(vLLM's multi-step scheduling): less engine work per token, tokens arrive in "
-            "bursts of this many",
+            "for a free sequence slot (vLLM's multi-step scheduling): less engine work per "
+            "token, tokens arrive in bursts of this many",
         )
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
         g.add_argument(

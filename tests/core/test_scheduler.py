@@ -592,7 +592,7 @@ def test_multi_step_batches_give_the_outputs_of_single_steps(num_steps: int) -> 
     assert len(steps) < 19 + 1
 
 
-def test_multi_step_runs_only_while_every_request_decodes_and_none_waits() -> None:
+def test_multi_step_runs_only_while_every_request_decodes_and_none_can_be_admitted() -> None:
     sched, model = make_scheduler(num_scheduler_steps=4)
     sched.add_request(make_request("a", [1, 2, 3], max_tokens=30))
     assert step(sched, model)[0].num_steps == 1  # the prompt
@@ -601,6 +601,24 @@ def test_multi_step_runs_only_while_every_request_decodes_and_none_waits() -> No
     so, _ = step(sched, model)
     assert so.num_steps == 1 and so.num_scheduled_tokens == [1, 6]  # b's prompt: one step
     assert step(sched, model)[0].num_steps == 4  # both decode now
+
+
+def test_a_full_batch_runs_multi_step_beside_a_queue_and_admits_it_when_a_slot_frees() -> None:
+    """max_num_seqs 2, three requests: the third waits for a slot in any case, so the
+    two decode in batches of steps; once one finishes, the third's prompt runs."""
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
+    ref = reference_outputs(prompts, max_tokens=9)
+    sched, model = make_scheduler(max_num_seqs=2, num_scheduler_steps=4)
+    reqs = [make_request(rid, p, max_tokens=9) for rid, p in prompts.items()]
+    for r in reqs:
+        sched.add_request(r)
+    plan = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched, model)
+        plan.append((so.req_ids, so.num_steps))
+    assert plan[:4] == [(["a", "b"], 1), (["a", "b"], 4), (["a", "b"], 4)] + [(["c"], 1)]
+    assert {r.request_id: r.output_token_ids for r in reqs} == ref
+    assert_all_blocks_free(sched)
 
 
 def test_multi_step_never_plans_past_max_tokens_or_the_model_length() -> None:
