@@ -287,12 +287,11 @@ class Scheduler:
 
     def _multi_step_lookahead(self) -> int:
         """How many steps after the first this schedule() may plan (multi-step
-        scheduling): while every running request decodes one token and none waits that
-        a free sequence slot would admit (max_num_seqs full: a waiting request waits for
-        a running one to finish either way),
-        up to num_scheduler_steps in all, but no request past its max_tokens or length
-        (no step computes a token nobody may keep, barring a stop token or string), and
-        none unless every step's slots are free now."""
+        scheduling). Only while every running request decodes one token and no waiting
+        request could be admitted (with max_num_seqs running, it waits for one to finish
+        either way); up to num_scheduler_steps in all, never past a request's max_tokens
+        or length (no step computes a token nobody may keep, barring a stop token or
+        string), and none unless every step's slots are free now."""
         if not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
             return 0  # a waiting request this step could admit is not held back
         steps = min(self.num_scheduler_steps, self.max_chunk_tokens)

@@ -34,7 +34,7 @@ class PersistentBuffer:
 
 class BlockTable:
     """One KV cache group's block tables and slot mapping (vLLM's name): the rows of the
-    batch's requests, with whose block list wrote each row and how many columns."""
+    batch's requests, with the block list that wrote each row and how many columns."""
 
     def __init__(
         self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_seq: int, device: torch.device
