@@ -231,5 +231,14 @@ def test_a_multi_step_server_streams_bursts_that_join_to_single_step_text(
             assert chunks[-1].choices[0].finish_reason == want.finish_reason
             assert len(chunks) < 40 // 2
         assert want.finish_reason == "stop"  # the stop string ended it
+        # Logprobs of every token of every burst, aligned with the text.
+        chunks = list(
+            other.completions.create(
+                model=MODEL_NAME, prompt=PROMPT, max_tokens=23, temperature=0.0, logprobs=2,
+                stream=True, extra_body=body,
+            )
+        )  # fmt: skip
+        tokens = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices), [])
+        assert len(tokens) == 23 and "".join(tokens) == "".join(c.choices[0].text for c in chunks)
     finally:
         multi.stop()
