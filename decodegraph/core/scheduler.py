@@ -206,16 +206,9 @@ class Scheduler:
                 token_budget,
                 self.max_chunk_tokens,
             )
-            new_blocks = None
-            if lookahead:
-                # Slots for every step's token now (_multi_step_lookahead saw them free;
-                # should one not fit, the batch runs one step, and a request allocated
-                # ahead uses its slots in the steps to come).
-                new_blocks = kv.allocate_slots(request, num_new + lookahead)
-                if new_blocks is None:
-                    lookahead = 0
-            if new_blocks is None:
-                new_blocks = self._allocate_or_preempt(request, num_new, preempted)
+            # A multi-step batch takes every step's slots now (_multi_step_lookahead saw
+            # them all free, so none preempts).
+            new_blocks = self._allocate_or_preempt(request, num_new + lookahead, preempted)
             if new_blocks is None:
                 break  # the request preempted itself: it was the tail, nothing is left
             scheduled.append(request)
@@ -382,14 +375,12 @@ class Scheduler:
                 cache_full_blocks(request)
             num_generated += 1
             finished = check_stop(request, token_id)
-            req_logprobs = logprobs[i] if logprobs is not None else None
-            new_logprobs = [req_logprobs] if req_logprobs is not None else None
-            new_token_ids = [token_id]
+            later_ids = later_logprobs = None
             if later_steps and not finished:
-                finished = self._append_later_steps(
-                    request, i, later_steps, new_token_ids, new_logprobs
+                finished, later_ids, later_logprobs = self._append_later_steps(
+                    request, i, later_steps
                 )
-                num_generated += len(new_token_ids) - 1
+                num_generated += len(later_ids)
             if finished:
                 stopped.append(request)
             if request.final_output_only:
@@ -397,6 +388,14 @@ class Scheduler:
                     continue
                 new_token_ids = list(request.output_token_ids)  # its one output: every token
                 new_logprobs = None
+            else:
+                new_token_ids = [token_id]
+                req_logprobs = logprobs[i] if logprobs is not None else None
+                new_logprobs = [req_logprobs] if req_logprobs is not None else None
+                if later_ids:
+                    new_token_ids += later_ids
+                    if new_logprobs is not None:
+                        new_logprobs += later_logprobs
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -421,29 +420,25 @@ class Scheduler:
         return outputs
 
     def _append_later_steps(
-        self,
-        request: Request,
-        i: int,
-        later_steps: list[ModelRunnerOutput],
-        new_token_ids: list[int],
-        new_logprobs: list[dict[int, Logprob]] | None,
-    ) -> bool:
-        """A multi-step batch's later tokens of batch row `i`, appended (to the request,
-        `new_token_ids` and `new_logprobs`) until one stops it; the runner's tokens
-        after that are dropped. True when the request finished."""
+        self, request: Request, i: int, later_steps: list[ModelRunnerOutput]
+    ) -> tuple[bool, list[int], list[dict[int, Logprob] | None]]:
+        """A multi-step batch's later tokens of batch row `i`, appended to the request
+        until one stops it (the runner's tokens after that are dropped): whether it
+        finished, and the tokens appended with their logprobs (None where not asked)."""
         block_size = self.block_size
+        ids: list[int] = []
+        lps: list[dict[int, Logprob] | None] = []
         for out in later_steps:
             token_id = out.sampled_token_ids[i]
             request.num_computed_tokens += 1
             request.append_output_token(token_id)
             if request.num_computed_tokens % block_size == 0:
                 self.kv_cache_manager.cache_full_blocks(request)
-            new_token_ids.append(token_id)
-            if new_logprobs is not None:
-                new_logprobs.append(out.logprobs[i])
+            ids.append(token_id)
+            lps.append(out.logprobs[i] if out.logprobs is not None else None)
             if self._check_stop(request, token_id):
-                return True
-        return False
+                return True, ids, lps
+        return False, ids, lps
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Apply the stop rules for a just-appended token; sets status and stop_reason."""

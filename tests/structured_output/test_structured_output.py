@@ -11,16 +11,31 @@ import pytest
 from decodegraph import LLM, SamplingParams
 from decodegraph.sampling_params import StructuredOutputsParams
 
+# The offline engine of these tests (the multi-step one adds num_scheduler_steps).
+ENGINE_KWARGS = {
+    "enforce_eager": True,
+    "max_model_len": 128,
+    "max_num_seqs": 4,
+    "structured_outputs_config": {"disable_any_whitespace": True},
+}
+
 
 @pytest.fixture(scope="module")
 def llm(stories_dir: Path) -> LLM:
-    return LLM(
-        str(stories_dir),
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        structured_outputs_config={"disable_any_whitespace": True},
-    )
+    return LLM(str(stories_dir), **ENGINE_KWARGS)
+
+
+def seeded_regex_params(regex: str, count: int, max_tokens: int) -> list[SamplingParams]:
+    """`count` sampled (temperature 1) requests of `regex`, seeded 0 to count - 1."""
+    return [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=max_tokens,
+            structured_outputs=StructuredOutputsParams(regex=regex),
+        )
+        for i in range(count)
+    ]
 
 
 def test_params_need_exactly_one_kind() -> None:
@@ -102,15 +117,7 @@ def test_preempted_requests_keep_their_grammar_position(stories_dir: Path) -> No
 
     regex = r"[a-z]{4}( [a-z]{2,6}){12}\."
     kwargs = {"enforce_eager": True, "max_model_len": 128, "max_num_seqs": 6, "seed": 0}
-    params = [
-        SamplingParams(
-            temperature=1.0,
-            seed=i,
-            max_tokens=100,
-            structured_outputs=StructuredOutputsParams(regex=regex),
-        )
-        for i in range(6)
-    ]
+    params = seeded_regex_params(regex, 6, 100)
     prompts = [{"prompt_token_ids": [1, 30 + 9 * i] + [40] * (10 + 3 * i)} for i in range(6)]
     tiny = LLM(str(stories_dir), num_gpu_blocks_override=10, **kwargs)
     scheduler = tiny.llm_engine.scheduler
@@ -161,24 +168,9 @@ def test_grammars_hold_across_multi_step_batches(stories_dir: Path, llm: LLM) ->
     batch of steps stops the request at its EOS, the steps after it dropped."""
     import re
 
-    multi = LLM(
-        str(stories_dir),
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        structured_outputs_config={"disable_any_whitespace": True},
-        num_scheduler_steps=4,
-    )
+    multi = LLM(str(stories_dir), num_scheduler_steps=4, **ENGINE_KWARGS)
     regex = r"[a-z]{3}( [a-z]{2,5}){5}\."
-    params = [
-        SamplingParams(
-            temperature=1.0,
-            seed=i,
-            max_tokens=60,
-            structured_outputs=StructuredOutputsParams(regex=regex),
-        )
-        for i in range(3)
-    ]
+    params = seeded_regex_params(regex, 3, 60)
     prompts = [f"Once upon a time {i}" for i in range(3)]
     got = multi.generate(prompts, params, use_tqdm=False)
     want = llm.generate(prompts, params, use_tqdm=False)
