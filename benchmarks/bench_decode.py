@@ -29,6 +29,8 @@ Prints tables and saves JSON under benchmarks/results/.
     python benchmarks/bench_decode.py --modes NONE FULL_DECODE_ONLY --peers ctranslate2
     python benchmarks/bench_decode.py --modes FULL_DECODE_ONLY --mid-size --skip-throughput
     python benchmarks/bench_decode.py --modes FULL_DECODE_ONLY --num-scheduler-steps 1 8
+    python benchmarks/bench_decode.py --modes FULL_DECODE_ONLY --num-scheduler-steps 1 8 \\
+        --multi-step-graphs         # x8 with a graph per step and with one graph in all
 
 On an AVX-512 machine, every side can be held to AVX2 code (what an AVX2-only CPU runs,
 on this machine's caches and memory): torch's kernels and Inductor's generated code
@@ -92,8 +94,9 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
     each model forward (the prefill step dropped)."""
     engine = llm.llm_engine
     runner = engine.runner
+    graphs = runner.graph_runner
     forward_times: list[float] = []
-    original = runner._forward
+    original, original_replay = runner._forward, graphs.replay
 
     def timed(step):  # noqa: ANN001, ANN202
         start = time.perf_counter()
@@ -101,7 +104,16 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
         forward_times.append(time.perf_counter() - start)
         return out
 
-    runner._forward = timed
+    def timed_replay(mode, key, metadata):  # noqa: ANN001, ANN202
+        # A multi-step graph's replay is its batch's every forward: its time per step.
+        if key.num_steps == 1:
+            return original_replay(mode, key, metadata)
+        start = time.perf_counter()
+        out = original_replay(mode, key, metadata)
+        forward_times.extend([(time.perf_counter() - start) / key.num_steps] * key.num_steps)
+        return out
+
+    runner._forward, graphs.replay = timed, timed_replay
     try:
         params = SamplingParams(
             temperature=0,
@@ -112,13 +124,15 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
         engine.add_request("decode", {"prompt_token_ids": [1]}, params)
         step_times = []
         while engine.has_unfinished_requests():
-            forwards = len(forward_times)
+            # Steps dispatched: one per token of the one request (several for a
+            # multi-step batch, whether it replays a graph per step or one in all).
+            tokens = sum(graphs.mode_counts.values())
             start = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - start
-            step_times.append(elapsed / max(1, len(forward_times) - forwards))
+            step_times.append(elapsed / max(1, sum(graphs.mode_counts.values()) - tokens))
     finally:
-        runner._forward = original
+        del runner._forward, graphs.replay  # the class's methods again
     return step_times[1:], forward_times[1:]
 
 
@@ -127,9 +141,16 @@ class EngineSide:
 
     def __init__(self, model: str, mode: str, use_inductor: bool, **engine_kwargs: Any) -> None:
         steps = engine_kwargs.get("num_scheduler_steps", 1)
+        multi_step_graphs = engine_kwargs.pop("multi_step_graphs", False)
         self.name = mode if steps == 1 else f"{mode} x{steps}"
+        if multi_step_graphs:
+            self.name += " graph"
         start = time.perf_counter()
-        compilation = {"cudagraph_mode": mode, "use_inductor": use_inductor}
+        compilation = {
+            "cudagraph_mode": mode,
+            "use_inductor": use_inductor,
+            "multi_step_graphs": multi_step_graphs,
+        }
         sizes = engine_kwargs.pop("capture_sizes", None)
         if sizes:
             compilation["cudagraph_capture_sizes"] = sizes
@@ -316,6 +337,12 @@ def main() -> None:
         help="engine sides per mode, one per multi-step setting (a row each)",
     )
     p.add_argument(
+        "--multi-step-graphs",
+        action="store_true",
+        help="for each --num-scheduler-steps above 1, a row more whose engine runs a "
+        "greedy batch's steps as one graph (compilation_config multi_step_graphs)",
+    )
+    p.add_argument(
         "--llama2c-march",
         default="native",
         help="gcc -march for llama2.c (x86-64-v3: AVX2 code, to run beside the AVX2-only "
@@ -400,10 +427,20 @@ def main() -> None:
     for title, path, dtype, modes, engine_kwargs, workload in jobs:
         # Every side is built before the first round, so that none gains from running
         # later (warm caches).
+        settings = [(k, False) for k in dict.fromkeys(args.num_scheduler_steps)]
+        if args.multi_step_graphs:
+            settings += [(k, True) for k, _ in settings if k > 1]
         engines = [
-            EngineSide(str(path), m, not args.no_inductor, num_scheduler_steps=k, **engine_kwargs)
+            EngineSide(
+                str(path),
+                m,
+                not args.no_inductor,
+                num_scheduler_steps=k,
+                multi_step_graphs=graph,
+                **engine_kwargs,
+            )
             for m in dict.fromkeys(modes)
-            for k in dict.fromkeys(args.num_scheduler_steps)
+            for k, graph in settings
         ]
         others, skipped = build_peers(
             peer_names, path, dtype, args.threads, work, args.llama2c_march

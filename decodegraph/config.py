@@ -240,6 +240,9 @@ class CompilationConfig:
     use_inductor: bool = True
     # Inductor options for CPU graphs (torch._inductor.config names), as vLLM's field.
     inductor_compile_config: dict[str, Any] = field(default_factory=dict)
+    # With num_scheduler_steps > 1: capture, beside each full decode graph, one that runs
+    # all the steps of a greedy batch (docs/design.md §3, "multi-step graphs").
+    multi_step_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:
@@ -260,6 +263,8 @@ class CompilationConfig:
         )
         if not isinstance(self.cudagraph_num_of_warmups, int) or self.cudagraph_num_of_warmups < 0:
             raise ValueError("compilation_config.cudagraph_num_of_warmups: must be >= 0")
+        if not isinstance(self.multi_step_graphs, bool):
+            raise ValueError("compilation_config.multi_step_graphs: must be true or false")
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | str | None) -> CompilationConfig:

@@ -26,6 +26,9 @@ class BatchDescriptor(NamedTuple):
     num_reqs: int | None
     # Every request adds exactly one token.
     uniform: bool
+    # Decode steps one graph runs, each step's greedy ids the next one's tokens (a
+    # multi-step graph, docs/design.md §3); 1 everywhere else.
+    num_steps: int = 1
 
 
 @dataclass

@@ -109,6 +109,8 @@ class GraphRunner:
         self._replays: dict[BatchDescriptor, _Replay] = {}
         # The forward context each graph was captured in, until capture_all finishes it.
         self._capture_contexts: dict[GraphKey, ForwardContext] = {}
+        # Steps a multi-step decode graph runs (1: none are captured; docs/design.md §3).
+        self.graph_num_steps = 1
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -126,7 +128,34 @@ class GraphRunner:
         )
         self.capture_sizes = self._capture_sizes()
         self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes, self.max_num_reqs)
+        self.graph_num_steps = self._graph_num_steps()
         return self.mode
+
+    def _graph_num_steps(self) -> int:
+        """How many decode steps one graph runs: the scheduler's steps where a full decode
+        graph can run them all with the argmax feeding the next step, else 1 (why not is
+        logged once)."""
+        steps = self.config.scheduler_config.num_scheduler_steps
+        if steps == 1 or not self.compilation_config.multi_step_graphs:
+            return 1
+        reason = None
+        if (
+            self.mode.decode_mode() is not RuntimeMode.FULL
+            or not self.dispatcher.keys[RuntimeMode.FULL]
+        ):
+            reason = f"graph mode {self.mode.name} has no full decode graphs"
+        elif self.world_size > 1:
+            reason = "tensor parallelism samples on rank 0 and broadcasts"
+        else:
+            unsafe = [
+                name for name, backend in self._groups if not backend.supports_multi_step_graphs()
+            ]
+            if unsafe:
+                reason = f"attention group(s) {', '.join(unsafe)} cannot advance inside a graph"
+        if reason is not None:
+            logger.info("num_scheduler_steps=%d runs a graph per step: %s", steps, reason)
+            return 1
+        return steps
 
     def _capture_sizes(self) -> list[int]:
         """Token counts to capture: the listed sizes up to max_num_batched_tokens (mixed
@@ -154,6 +183,12 @@ class GraphRunner:
         if self.closed:
             raise CaptureClosedError("graphs are captured once, at start-up")
         keys = self.dispatcher.all_keys()
+        if self.graph_num_steps > 1:
+            keys += [
+                (mode, key._replace(num_steps=self.graph_num_steps))
+                for mode, key in keys
+                if mode is RuntimeMode.FULL and key.uniform
+            ]
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
         gc.collect()
@@ -197,8 +232,7 @@ class GraphRunner:
         if mode is RuntimeMode.NONE:
             raise ValueError(f"no graph to capture for runtime mode {mode.name}")
         metadata = prepare_dummy(mode, key)
-        name = f"{mode.name}{tuple(key)}"
-        fn = self._forward_fn(model, logits=mode is RuntimeMode.FULL and key.uniform)
+        name = f"{mode.name}{tuple(key[:3])}" + (f"x{key.num_steps}" if key.num_steps > 1 else "")
         base = self._eager_context
         if mode is RuntimeMode.FULL:
             # Every group's params get the same id (they are made in lockstep).
@@ -206,6 +240,10 @@ class GraphRunner:
             if len(ids) != 1:
                 raise RuntimeError(f"attention groups' graph params out of step: {ids}")
             params_id = self.graph_params[key] = ids.pop()
+            if key.num_steps > 1:
+                fn = self._multi_step_fn(model, params_id, key.num_steps)
+            else:
+                fn = self._forward_fn(model, logits=key.uniform)
             context = dataclasses.replace(base, params_id=params_id)
             with set_forward_context(context):
                 # A step reads a full graph's outputs before the next replay: the pool
@@ -225,7 +263,7 @@ class GraphRunner:
             with set_forward_context(context):
                 graph = PiecewiseGraph(
                     name,
-                    fn,
+                    self._forward_fn(model, logits=False),
                     self.graph_inputs(mode, key),
                     self.platform,
                     self.compilation_config,
@@ -253,6 +291,45 @@ class GraphRunner:
             return out, out.argmax(dim=-1)
 
         return forward_with_logits
+
+    def _multi_step_fn(
+        self, model: torch.nn.Module, params_id: int, num_steps: int
+    ) -> Callable[..., torch.Tensor]:
+        """`num_steps` uniform decode steps in one graph, each step's argmax the next
+        one's tokens; returns the ids [num_steps, rows].
+
+        The first step reads what the runner wrote; each later one moves every live row
+        (context length > 0) on by one position, its slot found in the request's
+        block-table row (the scheduler allocated every step's slots up front), its
+        length one longer. Those are the only attention inputs that change, and each
+        group's params hold tensors for them: while a later step is traced they hold
+        the values computed in the graph, so the attention operator reads those."""
+        bs = self.buffers.block_size
+        params = [backend.params[params_id] for _, backend in self._groups]
+
+        def forward_steps(
+            input_ids: torch.Tensor, positions: torch.Tensor, *_: torch.Tensor
+        ) -> torch.Tensor:
+            first = [(md.slot_mapping, md.seq_lens_host) for md in params]
+            ids, pos, steps = input_ids, positions, []
+            try:
+                for step in range(num_steps):
+                    if step:
+                        pos = positions + step
+                        for md, (_, lens) in zip(params, first, strict=True):
+                            live = lens > 0
+                            row_blocks = md.block_tables.gather(1, (pos // bs).unsqueeze(1))
+                            slots = row_blocks.squeeze(1).to(torch.int64) * bs + pos % bs
+                            md.slot_mapping = torch.where(live, slots, -1)
+                            md.seq_lens_host = lens + live.to(lens.dtype) * step
+                    ids = model.compute_logits(model(ids, pos)).argmax(dim=-1)
+                    steps.append(ids)
+            finally:
+                for md, (slots, lens) in zip(params, first, strict=True):
+                    md.slot_mapping, md.seq_lens_host = slots, lens
+            return torch.stack(steps)
+
+        return forward_steps
 
     def graph_inputs(self, mode: RuntimeMode, key: BatchDescriptor) -> list[torch.Tensor]:
         """What a graph binds: views of the persistent buffers (the model reads the first
@@ -297,7 +374,8 @@ class GraphRunner:
     ) -> Any:
         """Replay the graph for (mode, key) over what the step wrote into the buffers,
         with this step's attention metadata per group. Returns the graph's outputs:
-        (logits, greedy ids) for a uniform full graph, hidden states otherwise."""
+        (logits, greedy ids) for a uniform full graph, the ids of every step [steps,
+        rows] for a multi-step graph (`key.num_steps` > 1), hidden states otherwise."""
         replay = self._replays[key]
         if not replay.checked:
             replay.graph.check_inputs(self.graph_inputs(mode, key))

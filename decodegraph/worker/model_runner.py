@@ -262,11 +262,71 @@ class ModelRunner:
         the tokens the step before sampled. `plan` is the driver's dispatch (runtime mode
         and padded key): every rank runs it, or refuses the step if its own graphs say
         otherwise (no rank ever replays while another runs eager)."""
+        if so.num_steps > 1:
+            output = self._execute_multi_step_graph(so, plan)
+            if output is not None:
+                return output
         output, batch = self._execute_step(so, plan)
         if so.num_steps > 1:
             later = so.continuation()
             for _ in range(so.num_steps - 1):
                 step_output, batch = self._execute_step(later, plan, batch)
+                output.later_steps.append(step_output)
+        return output
+
+    def _execute_multi_step_graph(
+        self, so: SchedulerOutput, plan: StepPlan | None
+    ) -> ModelRunnerOutput | None:
+        """A multi-step batch as one graph replay, where there is a graph for its size and
+        number of steps and one argmax is all its sampling (every request greedy with
+        nothing that edits logits, no logprobs, grammars or prompt logprobs): the graph
+        feeds each step's argmax to the next. None where it cannot (the caller runs the
+        steps one by one); the batch's inputs are not written then."""
+        graphs = self.graph_runner
+        n = so.num_reqs
+        if (
+            so.num_steps != graphs.graph_num_steps
+            or so.scheduled_new_reqs
+            or so.total_num_scheduled_tokens != n
+            or self.requests.num_with_grammar
+            or self.requests.collecting_prompt_logprobs
+        ):
+            return None
+        if plan is None:
+            plan = graphs.dispatcher.dispatch(BatchDescriptor(n, n, True))
+        mode, key = plan
+        if mode is not RuntimeMode.FULL:
+            return None
+        # Sampling reads the params and output counts, which this step's deltas leave be.
+        meta = SamplingMetadata.from_requests(
+            [self.requests[r] for r in so.req_ids],
+            self.vocab_size,
+            self.device,
+            self._sampling_statics,
+        )
+        if not meta.is_fast_greedy:
+            return None
+        states = self.requests.update(so)
+        graphs.dispatch(n, n, True, plan)
+        steps_key = key._replace(num_steps=so.num_steps)
+        batch = InputBatch.prepare(
+            so.req_ids, states, so.num_scheduled_tokens, mode, steps_key, self.buffers
+        )
+        with set_forward_context(self._eager_context):
+            ids = graphs.replay(mode, steps_key, self._attention_metadata(batch))
+        rows = ids[:, :n].tolist()
+        output = None
+        for step, sampled in enumerate(rows):
+            if step:
+                graphs.dispatch(n, n, True, plan)  # counted per step, as steps one by one
+            for state, tok in zip(states, sampled, strict=True):
+                if step:
+                    state.num_computed_tokens += 1
+                state.all_token_ids.append(tok)
+            step_output = ModelRunnerOutput(batch.req_ids, sampled)
+            if output is None:
+                output = step_output
+            else:
                 output.later_steps.append(step_output)
         return output
 

@@ -233,6 +233,14 @@ class AttentionBackend:
         host = [md.seq_lens_host, md.num_reqs_host, md.query_start_loc_host]
         return caches + [md.slot_mapping, md.block_tables, *host]
 
+    def supports_multi_step_graphs(self) -> bool:
+        """Whether a full decode graph may run several steps over these params, each
+        later step with the slots and lengths the graph computes: true where every
+        attention call of a uniform decode step reads its slots and lengths from the
+        params' `slot_mapping` and `seq_lens_host` tensors at run time, and nothing
+        else that changes from step to step (no host value baked in at capture)."""
+        return False
+
     def native_op_args(self, layer_idx: int, params_id: int) -> tuple | None:
         """(operator, its arguments after q, k, v) when this step's attention is one
         native operator that the layer may call directly instead of unified_attention

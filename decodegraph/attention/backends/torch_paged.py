@@ -152,6 +152,13 @@ class CPUAttentionBackend(AttentionBackend):
         else:
             self._mixed(query, layer_idx, md, output)
 
+    def supports_multi_step_graphs(self) -> bool:
+        # The native operator reads them at run time; the tensor-op path bakes
+        # max_seq_len (a host value) into a decode step.
+        return self._native_op is not None and all(
+            pair[0].dtype in (torch.float32, torch.bfloat16) for pair in self.kv_caches
+        )
+
     def graph_tensors(self, params_id: int) -> list[torch.Tensor]:
         tensors = super().graph_tensors(params_id)
         return tensors if self._scores is None else [*tensors, self._scores]
