@@ -15,6 +15,7 @@ import pytest
 
 from decodegraph.config import CompilationConfig
 from decodegraph.entrypoints.llm import LLM
+from decodegraph.graphs.graph_runner import GraphRunner
 from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.sampling_params import SamplingParams
 from tests.utils.checkpoints import make_checkpoint
@@ -173,6 +174,40 @@ def test_without_full_decode_graphs_or_the_option_a_batch_runs_a_graph_per_step(
     )
     prompts = _prompts("stories", 2, seed=3)
     assert _ids(llm, prompts, greedy(12)) == _ids(engine("stories", "NONE", 1), prompts, greedy(12))
+
+
+def test_tensor_parallelism_or_a_backend_that_cannot_advance_runs_a_graph_per_step(
+    engine: Callable[..., LLM], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resolution of a rank of two (rank 0 samples and broadcasts there), and of an
+    attention group whose backend reads a host value it would not see advance: no
+    multi-step graph, and the reason said."""
+    runner = engine("stories", "FULL_DECODE_ONLY", STEPS).llm_engine.runner
+    graphs = runner.graph_runner
+
+    def resolved(world_size: int) -> int:
+        other = GraphRunner(
+            graphs.config,
+            graphs.platform,
+            graphs.buffers,
+            graphs.attn_groups,
+            runner._eager_context,
+            world_size=world_size,
+        )
+        other.resolve()
+        return other.graph_num_steps
+
+    caplog.set_level(logging.INFO, logger="decodegraph.graphs.graph_runner")
+    assert resolved(1) == STEPS
+    assert resolved(2) == 1
+    (group,) = graphs.attn_groups
+    monkeypatch.setattr(
+        type(graphs.attn_groups[group]), "supports_multi_step_graphs", lambda _: False
+    )
+    assert resolved(1) == 1
+    messages = [r.message for r in caplog.records]
+    assert any("tensor parallelism samples on rank 0" in m for m in messages)
+    assert any(f"attention group(s) {group} cannot advance inside a graph" in m for m in messages)
 
 
 def test_multi_step_graphs_must_be_a_bool() -> None:
