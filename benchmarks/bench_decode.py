@@ -126,11 +126,11 @@ def _decode_steps(llm: LLM, tokens: int) -> tuple[list[float], list[float]]:
         while engine.has_unfinished_requests():
             # Steps dispatched: one per token of the one request (several for a
             # multi-step batch, whether it replays a graph per step or one in all).
-            tokens = sum(graphs.mode_counts.values())
+            dispatched = sum(graphs.mode_counts.values())
             start = time.perf_counter()
             engine.step()
             elapsed = time.perf_counter() - start
-            step_times.append(elapsed / max(1, sum(graphs.mode_counts.values()) - tokens))
+            step_times.append(elapsed / max(1, sum(graphs.mode_counts.values()) - dispatched))
     finally:
         del runner._forward, graphs.replay  # the class's methods again
     return step_times[1:], forward_times[1:]

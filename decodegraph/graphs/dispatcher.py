@@ -62,6 +62,10 @@ class CudagraphDispatcher:
         i = bisect.bisect_left(sizes, num_tokens)
         return sizes[i] if i < len(sizes) else None
 
+    def padded_decode_size(self, num_reqs: int) -> int | None:
+        """The smallest decode capture size >= num_reqs, or None when none is."""
+        return self._pad(self.decode_sizes, num_reqs)
+
     def padded_size(self, num_tokens: int) -> int | None:
         """The smallest capture size >= num_tokens, or None when none is."""
         return self._pad(self.capture_sizes, num_tokens)

@@ -139,10 +139,7 @@ class GraphRunner:
         if steps == 1 or not self.compilation_config.multi_step_graphs:
             return 1
         reason = None
-        if (
-            self.mode.decode_mode() is not RuntimeMode.FULL
-            or not self.dispatcher.keys[RuntimeMode.FULL]
-        ):
+        if self.mode.decode_mode() is not RuntimeMode.FULL or not self.dispatcher.decode_sizes:
             reason = f"graph mode {self.mode.name} has no full decode graphs"
         elif self.world_size > 1:
             reason = "tensor parallelism samples on rank 0 and broadcasts"
@@ -183,12 +180,10 @@ class GraphRunner:
         if self.closed:
             raise CaptureClosedError("graphs are captured once, at start-up")
         keys = self.dispatcher.all_keys()
-        if self.graph_num_steps > 1:
-            keys += [
-                (mode, key._replace(num_steps=self.graph_num_steps))
-                for mode, key in keys
-                if mode is RuntimeMode.FULL and key.uniform
-            ]
+        if self.graph_num_steps > 1:  # after the others: a uniform key per decode size
+            steps = self.graph_num_steps
+            sizes = sorted(self.dispatcher.decode_sizes, reverse=True)
+            keys += [(RuntimeMode.FULL, BatchDescriptor(s, s, True, steps)) for s in sizes]
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
         gc.collect()
@@ -292,16 +287,24 @@ class GraphRunner:
 
         return forward_with_logits
 
+    def multi_step_key(self, num_reqs: int, num_steps: int) -> BatchDescriptor | None:
+        """The multi-step graph a greedy batch of `num_reqs` decoding requests and
+        `num_steps` steps replays, or None where none was captured for it."""
+        if num_steps != self.graph_num_steps or num_steps == 1:
+            return None
+        padded = self.dispatcher.padded_decode_size(num_reqs)
+        return None if padded is None else BatchDescriptor(padded, padded, True, num_steps)
+
     def _multi_step_fn(
         self, model: torch.nn.Module, params_id: int, num_steps: int
     ) -> Callable[..., torch.Tensor]:
         """`num_steps` uniform decode steps in one graph, each step's argmax the next
         one's tokens; returns the ids [num_steps, rows].
 
-        The first step reads what the runner wrote; each later one moves every live row
-        (context length > 0) on by one position, its slot found in the request's
-        block-table row (the scheduler allocated every step's slots up front), its
-        length one longer. Those are the only attention inputs that change, and each
+        The first step reads what the runner wrote; each later one moves every request's
+        row (those below the params' request count) on by one position, its slot found
+        in the request's block-table row (the scheduler allocated every step's slots up
+        front), its length one longer; padded rows get slot -1 and length 0. Those are the only attention inputs that change, and each
         group's params hold tensors for them: while a later step is traced they hold
         the values computed in the graph, so the attention operator reads those."""
         bs = self.buffers.block_size
@@ -317,11 +320,12 @@ class GraphRunner:
                     if step:
                         pos = positions + step
                         for md, (_, lens) in zip(params, first, strict=True):
-                            live = lens > 0
+                            rows = torch.arange(lens.shape[0], device=lens.device)
+                            live = rows < md.num_reqs_host
                             row_blocks = md.block_tables.gather(1, (pos // bs).unsqueeze(1))
                             slots = row_blocks.squeeze(1).to(torch.int64) * bs + pos % bs
                             md.slot_mapping = torch.where(live, slots, -1)
-                            md.seq_lens_host = lens + live.to(lens.dtype) * step
+                            md.seq_lens_host = torch.where(live, lens + step, 0)
                     ids = model.compute_logits(model(ids, pos)).argmax(dim=-1)
                     steps.append(ids)
             finally:

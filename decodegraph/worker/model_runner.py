@@ -284,8 +284,9 @@ class ModelRunner:
         steps one by one); the batch's inputs are not written then."""
         graphs = self.graph_runner
         n = so.num_reqs
+        steps_key = graphs.multi_step_key(n, so.num_steps)
         if (
-            so.num_steps != graphs.graph_num_steps
+            steps_key is None
             or so.scheduled_new_reqs
             or so.total_num_scheduled_tokens != n
             or self.requests.num_with_grammar
@@ -294,10 +295,11 @@ class ModelRunner:
             return None
         if plan is None:
             plan = graphs.dispatcher.dispatch(BatchDescriptor(n, n, True))
-        mode, key = plan
-        if mode is not RuntimeMode.FULL:
+        if plan.mode is not RuntimeMode.FULL:
             return None
-        # Sampling reads the params and output counts, which this step's deltas leave be.
+        # A multi-step batch holds no new or resumed request (the scheduler plans one only
+        # while every request decodes): its deltas are new blocks, which sampling never
+        # reads, so the requests' states as they are decide it.
         meta = SamplingMetadata.from_requests(
             [self.requests[r] for r in so.req_ids],
             self.vocab_size,
@@ -308,12 +310,12 @@ class ModelRunner:
             return None
         states = self.requests.update(so)
         graphs.dispatch(n, n, True, plan)
-        steps_key = key._replace(num_steps=so.num_steps)
+        full = RuntimeMode.FULL
         batch = InputBatch.prepare(
-            so.req_ids, states, so.num_scheduled_tokens, mode, steps_key, self.buffers
+            so.req_ids, states, so.num_scheduled_tokens, full, steps_key, self.buffers
         )
         with set_forward_context(self._eager_context):
-            ids = graphs.replay(mode, steps_key, self._attention_metadata(batch))
+            ids = graphs.replay(full, steps_key, self._attention_metadata(batch))
         rows = ids[:, :n].tolist()
         output = None
         for step, sampled in enumerate(rows):

@@ -82,15 +82,24 @@ def _multi_step_replays(llm: LLM) -> dict[int, int]:
     }
 
 
-@pytest.mark.parametrize("model", ["stories", "llama-gqa", "gemma2"])
+@pytest.mark.parametrize(
+    "model, mode",
+    [
+        ("stories", "FULL_DECODE_ONLY"),
+        ("llama-gqa", "FULL_DECODE_ONLY"),
+        ("gemma2", "FULL_DECODE_ONLY"),
+        # FULL serves single steps with its mixed graphs; the multi-step ones are uniform.
+        ("stories", "FULL"),
+    ],
+)
 def test_greedy_multi_step_batches_are_one_replay_each_with_single_step_ids(
-    engine: Callable[..., LLM], model: str
+    engine: Callable[..., LLM], model: str, mode: str
 ) -> None:
     """Three requests (padded to the 4-row graph: a row that must stay empty) and one
     alone, 30 tokens each from prompts of 2-16 tokens: every batch of 4 steps after
     the prompts is one replay, across block boundaries (block size 16), in one attention
     group (stories, llama GQA) and in two (Gemma 2: sliding window and soft-capping)."""
-    llm = engine(model, "FULL_DECODE_ONLY", STEPS)
+    llm = engine(model, mode, STEPS)
     graphs = llm.llm_engine.runner.graph_runner
     assert graphs.graph_num_steps == STEPS
     assert _multi_step_replays(llm) == {1: 0, 4: 0}
@@ -131,8 +140,11 @@ def test_batches_that_sample_or_want_logprobs_run_a_graph_per_step(
     per_step = engine("stories", "FULL_DECODE_ONLY", STEPS, graphs=False)
     sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
     with_logprobs = SamplingParams(temperature=0.0, logprobs=2, max_tokens=20, ignore_eos=True)
+    penalised = SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, max_tokens=20, ignore_eos=True
+    )
     before = _multi_step_replays(llm)
-    for params in (sampled, with_logprobs, [greedy(20), sampled]):
+    for params in (sampled, with_logprobs, penalised, [greedy(20), sampled]):
         prompts = [[1, 30], [1, 31]] if isinstance(params, list) else [[1, 30]]
         got = llm.generate(prompts, params, use_tqdm=False)
         want = per_step.generate(prompts, params, use_tqdm=False)
@@ -140,6 +152,19 @@ def test_batches_that_sample_or_want_logprobs_run_a_graph_per_step(
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
             assert a.outputs[0].logprobs == b.outputs[0].logprobs
     assert _multi_step_replays(llm) == before
+
+
+def test_min_tokens_keeps_batches_per_step_until_it_is_reached(
+    engine: Callable[..., LLM],
+) -> None:
+    """While a request's min_tokens masks EOS its batches run a graph per step; once it
+    is reached, the multi-step graph: the same ids as single steps, stopping at EOS."""
+    llm = engine("stories", "FULL_DECODE_ONLY", STEPS)
+    reference = engine("stories", "NONE", 1)
+    params = SamplingParams(temperature=0.0, min_tokens=70, max_tokens=120)
+    before = _multi_step_replays(llm)[1]
+    assert _ids(llm, [[1]], params) == _ids(reference, [[1]], params)
+    assert _multi_step_replays(llm)[1] > before
 
 
 def test_an_inductor_compiled_multi_step_graph_gives_single_step_ids(
