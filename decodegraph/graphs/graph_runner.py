@@ -38,6 +38,7 @@ from decodegraph.forward_context import (
 )
 from decodegraph.graphs.dispatcher import CudagraphDispatcher, StepPlan, StepPlanError
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
+from decodegraph.graphs.multi_step import multi_step_forward
 from decodegraph.graphs.piecewise import PiecewiseGraph
 from decodegraph.platforms.base import DeviceGraph, Platform
 
@@ -236,7 +237,8 @@ class GraphRunner:
                 raise RuntimeError(f"attention groups' graph params out of step: {ids}")
             params_id = self.graph_params[key] = ids.pop()
             if key.num_steps > 1:
-                fn = self._multi_step_fn(model, params_id, key.num_steps)
+                params = [backend.params[params_id] for _, backend in self._groups]
+                fn = multi_step_forward(model, params, self.buffers.block_size, key.num_steps)
             else:
                 fn = self._forward_fn(model, logits=key.uniform)
             context = dataclasses.replace(base, params_id=params_id)
@@ -294,46 +296,6 @@ class GraphRunner:
             return None
         padded = self.dispatcher.padded_decode_size(num_reqs)
         return None if padded is None else BatchDescriptor(padded, padded, True, num_steps)
-
-    def _multi_step_fn(
-        self, model: torch.nn.Module, params_id: int, num_steps: int
-    ) -> Callable[..., torch.Tensor]:
-        """`num_steps` uniform decode steps in one graph, each step's argmax the next
-        one's tokens; returns the ids [num_steps, rows].
-
-        The first step reads what the runner wrote; each later one moves every request's
-        row (those below the params' request count) on by one position, its slot found
-        in the request's block-table row (the scheduler allocated every step's slots up
-        front), its length one longer; padded rows get slot -1 and length 0. Those are the only attention inputs that change, and each
-        group's params hold tensors for them: while a later step is traced they hold
-        the values computed in the graph, so the attention operator reads those."""
-        bs = self.buffers.block_size
-        params = [backend.params[params_id] for _, backend in self._groups]
-
-        def forward_steps(
-            input_ids: torch.Tensor, positions: torch.Tensor, *_: torch.Tensor
-        ) -> torch.Tensor:
-            first = [(md.slot_mapping, md.seq_lens_host) for md in params]
-            ids, pos, steps = input_ids, positions, []
-            try:
-                for step in range(num_steps):
-                    if step:
-                        pos = positions + step
-                        for md, (_, lens) in zip(params, first, strict=True):
-                            rows = torch.arange(lens.shape[0], device=lens.device)
-                            live = rows < md.num_reqs_host
-                            row_blocks = md.block_tables.gather(1, (pos // bs).unsqueeze(1))
-                            slots = row_blocks.squeeze(1).to(torch.int64) * bs + pos % bs
-                            md.slot_mapping = torch.where(live, slots, -1)
-                            md.seq_lens_host = torch.where(live, lens + step, 0)
-                    ids = model.compute_logits(model(ids, pos)).argmax(dim=-1)
-                    steps.append(ids)
-            finally:
-                for md, (slots, lens) in zip(params, first, strict=True):
-                    md.slot_mapping, md.seq_lens_host = slots, lens
-            return torch.stack(steps)
-
-        return forward_steps
 
     def graph_inputs(self, mode: RuntimeMode, key: BatchDescriptor) -> list[torch.Tensor]:
         """What a graph binds: views of the persistent buffers (the model reads the first

@@ -50,9 +50,6 @@ from decodegraph.worker.request_state import CachedRequestState, RequestStates
 
 logger = logging.getLogger(__name__)
 
-# Prompt positions scored at once: bounds their logits to this many [vocab] rows.
-_PROMPT_LOGPROBS_SLICE = 512
-
 
 def _in_inference_mode(fn):  # noqa: ANN001, ANN202 - a decorator of one method
     """`@torch.inference_mode()` for the per-step method: the same guard, without the
@@ -352,7 +349,7 @@ class ModelRunner:
                 states, so.num_scheduled_tokens, batch.query_start_loc_cpu
             )
         if prompt_rows is not None:
-            self._prompt_logprobs(states, prompt_rows, logits, hidden)
+            prompt_logprobs.score(self.model, states, prompt_rows, logits, hidden)
         sampled: list[int | None] = [None] * batch.num_reqs
         logprobs: list | None = None
         rows = batch.sample_rows
@@ -408,32 +405,6 @@ class ModelRunner:
         else:
             ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
         return self.tp_group.broadcast(ids, src=0).tolist()
-
-    def _prompt_logprobs(
-        self,
-        states: list[CachedRequestState],
-        rows: prompt_logprobs.PromptLogprobRows,
-        logits: torch.Tensor,
-        hidden: torch.Tensor | None,
-    ) -> None:
-        """Score the prompt positions of `rows` from this step's hidden states; without
-        them (a uniform full graph) each request ran one token, and its row of `logits`
-        is that token's."""
-        k = prompt_logprobs.num_top(states, rows)
-        entries = []
-        # In slices, so that a long prompt's logits never take more than a slice's
-        # [rows, vocab] at once.
-        for start in range(0, len(rows.token_rows), _PROMPT_LOGPROBS_SLICE):
-            token_rows = rows.token_rows[start : start + _PROMPT_LOGPROBS_SLICE]
-            if hidden is None:
-                # Token row r is request row r in a uniform batch.
-                token_logits = logits[token_rows]
-            else:
-                index = torch.tensor(token_rows, dtype=torch.int64, device=hidden.device)
-                token_logits = self.model.compute_logits(hidden[index])
-            targets = rows.targets[start : start + _PROMPT_LOGPROBS_SLICE]
-            entries += prompt_logprobs.compute(token_logits, targets, k)
-        prompt_logprobs.accumulate(states, rows, entries, k)
 
     def _forward(
         self, batch: InputBatch

@@ -70,6 +70,36 @@ def find_rows(
 _VALUES_PER_TRANSFER = 1 << 20
 
 
+# Prompt positions scored at once: bounds their logits to this many [vocab] rows.
+_SLICE = 512
+
+
+def score(
+    model: torch.nn.Module,
+    states: list[CachedRequestState],
+    rows: PromptLogprobRows,
+    logits: torch.Tensor,
+    hidden: torch.Tensor | None,
+) -> None:
+    """Score the prompt positions of `rows` from this step's hidden states and add them
+    to the requests' states; without hidden states (a uniform full graph) each request
+    ran one token, and its row of `logits` is that token's."""
+    k = num_top(states, rows)
+    entries = []
+    # In slices, so that a long prompt's logits never take more than a slice's
+    # [rows, vocab] at once.
+    for start in range(0, len(rows.token_rows), _SLICE):
+        token_rows = rows.token_rows[start : start + _SLICE]
+        if hidden is None:
+            # Token row r is request row r in a uniform batch.
+            token_logits = logits[token_rows]
+        else:
+            index = torch.tensor(token_rows, dtype=torch.int64, device=hidden.device)
+            token_logits = model.compute_logits(hidden[index])
+        entries += compute(token_logits, rows.targets[start : start + _SLICE], k)
+    accumulate(states, rows, entries, k)
+
+
 def compute(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, Logprob]]:
     """Per row of `logits` [N, V]: the target token's Logprob (with its rank) and the
     top-k (ranks 1..k), the target first, as the sampler gives generated tokens'.

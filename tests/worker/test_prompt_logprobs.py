@@ -145,9 +145,9 @@ def test_prompt_logprobs_in_every_graph_mode(
 def test_prompt_logprobs_scored_in_slices(
     engines: Callable[..., LLM], reference: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from decodegraph.worker import model_runner
+    from decodegraph.worker import prompt_logprobs
 
-    monkeypatch.setattr(model_runner, "_PROMPT_LOGPROBS_SLICE", 3)
+    monkeypatch.setattr(prompt_logprobs, "_SLICE", 3)
     llm = engines()
     params = SamplingParams(max_tokens=1, prompt_logprobs=2)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
