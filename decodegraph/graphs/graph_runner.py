@@ -328,9 +328,9 @@ class GraphRunner:
         own = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
         if plan is not None and own != plan:
             raise StepPlanError(
-                f"rank {self.rank}: the driver planned {plan.mode.name} {tuple(plan.key)} for "
+                f"rank {self.rank}: the driver planned {plan.mode.name} {tuple(plan.key[:3])} for "
                 f"{num_reqs} requests, {num_tokens} tokens, but this rank's graphs give "
-                f"{own.mode.name} {tuple(own.key)}"
+                f"{own.mode.name} {tuple(own.key[:3])}"
             )
         self.mode_counts[("decode" if uniform else "mixed", own.mode.name)] += 1
         return own
