@@ -83,6 +83,40 @@ else:
     def _interpreter_bfloat16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_of_bfloat16_values)
 
+    # Where a Triton release has no such internals, the interpreter runs as it is.
+    _patch_lang = getattr(interpreter, "_patch_lang", None)
+
+    def _patch_lang_once_per_run(fn: object) -> object:
+        """Triton's interpreter patches `triton.language` again at every call of a nested
+        @triton.jit function, though the kernel's run patched that module's language
+        already: most of the interpreter's overhead in these tests (docs/performance.md).
+        Patch once per module per kernel run; the run's own scope restores it at its
+        end."""
+        key = id(fn.__globals__)  # type: ignore[attr-defined]
+        if key in _patched_this_run:
+            return None  # a nested call discards its scope
+        scope = _patch_lang(fn)
+        _patched_this_run.add(key)
+        return scope
+
+    _patched_this_run: set[int] = set()
+    _grid_executor = getattr(interpreter, "GridExecutor", None)
+    _run_grid = None if _grid_executor is None else _grid_executor.__call__
+
+    def _run_grid_patching_once(self: object, *args: object, **kwargs: object) -> object:
+        _patched_this_run.clear()
+        try:
+            return _run_grid(self, *args, **kwargs)
+        finally:
+            _patched_this_run.clear()
+
+    @pytest.fixture(autouse=True)
+    def _lang_patched_once_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+        if _patch_lang is None or _run_grid is None:
+            return
+        monkeypatch.setattr(interpreter, "_patch_lang", _patch_lang_once_per_run)
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", _run_grid_patching_once)
+
     @pytest.fixture(autouse=True)
     def _few_segments(monkeypatch: pytest.MonkeyPatch) -> None:
         """At most 4 segments unless a test asks for more: the interpreter runs programs
