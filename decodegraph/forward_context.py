@@ -30,6 +30,12 @@ class BatchDescriptor(NamedTuple):
     # multi-step graph, docs/design.md §3); 1 everywhere else.
     num_steps: int = 1
 
+    def label(self) -> str:
+        """The key as logs and errors print it: (num_tokens, num_reqs, uniform), then
+        xN for a multi-step graph."""
+        steps = f"x{self.num_steps}" if self.num_steps > 1 else ""
+        return f"({self.num_tokens}, {self.num_reqs}, {self.uniform}){steps}"
+
 
 @dataclass
 class ForwardContext:

@@ -228,7 +228,7 @@ class GraphRunner:
         if mode is RuntimeMode.NONE:
             raise ValueError(f"no graph to capture for runtime mode {mode.name}")
         metadata = prepare_dummy(mode, key)
-        name = f"{mode.name}{tuple(key[:3])}" + (f"x{key.num_steps}" if key.num_steps > 1 else "")
+        name = f"{mode.name}{key.label()}"
         base = self._eager_context
         if mode is RuntimeMode.FULL:
             # Every group's params get the same id (they are made in lockstep).
@@ -328,9 +328,9 @@ class GraphRunner:
         own = self.dispatcher.dispatch(BatchDescriptor(num_tokens, num_reqs, uniform))
         if plan is not None and own != plan:
             raise StepPlanError(
-                f"rank {self.rank}: the driver planned {plan.mode.name} {tuple(plan.key[:3])} for "
+                f"rank {self.rank}: the driver planned {plan.mode.name} {plan.key.label()} for "
                 f"{num_reqs} requests, {num_tokens} tokens, but this rank's graphs give "
-                f"{own.mode.name} {tuple(own.key[:3])}"
+                f"{own.mode.name} {own.key.label()}"
             )
         self.mode_counts[("decode" if uniform else "mixed", own.mode.name)] += 1
         return own

@@ -290,10 +290,6 @@ class ModelRunner:
             or self.requests.collecting_prompt_logprobs
         ):
             return None
-        if plan is None:
-            plan = graphs.dispatcher.dispatch(BatchDescriptor(n, n, True))
-        if plan.mode is not RuntimeMode.FULL:
-            return None
         # A multi-step batch holds no new or resumed request (the scheduler plans one only
         # while every request decodes): its deltas are new blocks, which sampling never
         # reads, so the requests' states as they are decide it.
@@ -306,13 +302,13 @@ class ModelRunner:
         if not meta.is_fast_greedy:
             return None
         states = self.requests.update(so)
-        graphs.dispatch(n, n, True, plan)
-        full = RuntimeMode.FULL
+        # A decode size's batch runs FULL (the multi-step graphs exist only then).
+        mode = graphs.dispatch(n, n, True, plan).mode
         batch = InputBatch.prepare(
-            so.req_ids, states, so.num_scheduled_tokens, full, steps_key, self.buffers
+            so.req_ids, states, so.num_scheduled_tokens, mode, steps_key, self.buffers
         )
         with set_forward_context(self._eager_context):
-            ids = graphs.replay(full, steps_key, self._attention_metadata(batch))
+            ids = graphs.replay(mode, steps_key, self._attention_metadata(batch))
         rows = ids[:, :n].tolist()
         output = None
         for step, sampled in enumerate(rows):
@@ -321,7 +317,7 @@ class ModelRunner:
             for state, tok in zip(states, sampled, strict=True):
                 if step:
                     state.num_computed_tokens += 1
-                state.all_token_ids.append(tok)
+                state.append_output_token(tok)
             step_output = ModelRunnerOutput(batch.req_ids, sampled)
             if output is None:
                 output = step_output

@@ -153,11 +153,9 @@ class CPUAttentionBackend(AttentionBackend):
             self._mixed(query, layer_idx, md, output)
 
     def supports_multi_step_graphs(self) -> bool:
-        # The native operator reads them at run time; the tensor-op path bakes
-        # max_seq_len (a host value) into a decode step.
-        return self._native_op is not None and all(
-            pair[0].dtype in (torch.float32, torch.bfloat16) for pair in self.kv_caches
-        )
+        # The native operator reads them at run time; the tensor-op path (steps that
+        # gather) bakes max_seq_len, a host value, into a decode step.
+        return not any(self._gathers(k_cache.dtype) for k_cache, _ in self.kv_caches)
 
     def graph_tensors(self, params_id: int) -> list[torch.Tensor]:
         tensors = super().graph_tensors(params_id)
