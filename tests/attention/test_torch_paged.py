@@ -664,6 +664,22 @@ def test_the_native_operator_at_every_block_size_and_head_size(
         check(case, run(case))
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (8, 4)], ids=str)
+@pytest.mark.parametrize("head_size", [8, 16])
+def test_small_float32_groups_over_whole_blocks(
+    num_heads: int, num_kv_heads: int, head_size: int
+) -> None:
+    """Float32 groups of at most 16 accumulators at block size 16 with the whole context
+    in view (the native operator's whole-block path, stories260K's shape among them):
+    contexts of one position, inside the first vector, on and across vector and block
+    boundaries, several blocks long, beside a prefill chunk, which crosses a boundary."""
+    require_native_op()
+    backend = make_backend("native", num_heads, num_kv_heads, head_size, 16, 128, num_blocks=80)
+    lengths = (1, 3, 8, 9, 15, 16, 17, 31, 32, 33, 100, 128)
+    case = make_case(backend, [(n - 1, 1) for n in lengths] + [(10, 13)])
+    check(case, run(case))
+
+
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 def test_bfloat16_decode_matches_the_reference(kernel: str, block_size: int) -> None:
     """bf16 caches and q/k/v (the native operator computes in float32 from them; block

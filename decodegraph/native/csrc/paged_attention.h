@@ -135,6 +135,99 @@ struct Uninitialized {
     Vec& operator[](int64_t i) { return reinterpret_cast<Vec*>(raw)[i]; }
 };
 
+// attend_group for float32 at constant D, G and BS with the whole context in view (no
+// sliding window, no soft-capping), where the G x D accumulators are few enough for
+// registers: three straight passes, each a loop over whole blocks and then the last
+// block's live vectors, with no per-vector branch (attend_group's loops, one body for
+// full and partial vectors, keep their accumulators in memory). The same sums in the same
+// order as attend_group's, so the same result to the bit.
+template <int64_t D, int64_t G, int64_t BS>
+void attend_group_blocks(const float* q, const float* kc, const float* vc, const int32_t* bt,
+                         int64_t len, int64_t tile_stride, int64_t tile_off, float scale,
+                         float* __restrict__ sc, int64_t sc_stride, float* o) {
+    static_assert(BS % kLanes == 0, "whole vectors per block");
+    const int64_t full = len / BS, tail = len - full * BS;
+    std::array<Vec, G> m, l;
+    for (int64_t j = 0; j < G; j++) {
+        m[j] = Vec(-FLT_MAX);
+        l[j] = Vec(0.f);
+    }
+    // Scores: the vector of positions [p, p + n) of the tile at `k`; lanes from n on are
+    // scored -FLT_MAX (the scores hold whole blocks: max_len is a multiple of BS).
+    auto score = [&](const float* k, int64_t p, int64_t n) DG_INLINE {
+        std::array<Vec, G> s;
+        for (int64_t j = 0; j < G; j++)
+            s[j] = Vec(0.f);
+        for (int64_t i = 0; i < D; i++) {
+            const Vec kv = n == kLanes ? Vec::loadu(k + i * BS) : Vec::loadu(k + i * BS, n);
+            for (int64_t j = 0; j < G; j++)
+                s[j] = at::vec::fmadd(Vec(q[j * D + i]), kv, s[j]);
+        }
+        for (int64_t j = 0; j < G; j++) {
+            Vec x = s[j] * Vec(scale);
+            if (n < kLanes)
+                x = Vec::blendv(Vec(-FLT_MAX), x, lanes(0, n));
+            x.store(sc + j * sc_stride + p);
+            m[j] = at::vec::clamp_min(m[j], x);
+        }
+    };
+    for (int64_t b = 0; b < full; b++) {
+        const float* k = kc + static_cast<int64_t>(bt[b]) * tile_stride + tile_off;
+        for (int64_t c = 0; c < BS; c += kLanes)
+            score(k + c, b * BS + c, kLanes);
+    }
+    const float* k_last = kc + (tail ? static_cast<int64_t>(bt[full]) * tile_stride : 0) + tile_off;
+    for (int64_t c = 0; c < tail; c += kLanes)
+        score(k_last + c, full * BS + c, tail - c < kLanes ? tail - c : kLanes);
+    for (int64_t j = 0; j < G; j++)
+        m[j] = Vec(max(m[j]));
+    // Weights over the scores in place, 0 past the context, and their sums.
+    const int64_t vectors = (len + kLanes - 1) / kLanes;
+    for (int64_t v = 0; v < vectors; v++) {
+        const int64_t p = v * kLanes, n = len - p < kLanes ? len - p : kLanes;
+        for (int64_t j = 0; j < G; j++) {
+            float* x = sc + j * sc_stride + p;
+            Vec e = exp(Vec::loadu(x) - m[j]);
+            if (n < kLanes)
+                e = Vec::blendv(Vec(0.f), e, lanes(0, n));
+            e.store(x);
+            l[j] = l[j] + e;
+        }
+    }
+    // The weighted sums of V; past the context both the weights and V's loads are 0.
+    std::array<Vec, G * D> acc;
+    for (int64_t i = 0; i < G * D; i++)
+        acc[i] = Vec(0.f);
+    auto weigh = [&](const float* v, int64_t p, int64_t n) DG_INLINE {
+        std::array<Vec, G> w;
+        for (int64_t j = 0; j < G; j++)
+            w[j] = Vec::loadu(sc + j * sc_stride + p);
+        for (int64_t i = 0; i < D; i++) {
+            const Vec vv = n == kLanes ? Vec::loadu(v + i * BS) : Vec::loadu(v + i * BS, n);
+            for (int64_t j = 0; j < G; j++)
+                acc[j * D + i] = at::vec::fmadd(w[j], vv, acc[j * D + i]);
+        }
+    };
+    for (int64_t b = 0; b < full; b++) {
+        const float* v = vc + static_cast<int64_t>(bt[b]) * tile_stride + tile_off;
+        for (int64_t c = 0; c < BS; c += kLanes)
+            weigh(v + c, b * BS + c, kLanes);
+    }
+    const float* v_last = vc + (tail ? static_cast<int64_t>(bt[full]) * tile_stride : 0) + tile_off;
+    for (int64_t c = 0; c < tail; c += kLanes)
+        weigh(v_last + c, full * BS + c, tail - c < kLanes ? tail - c : kLanes);
+    for (int64_t j = 0; j < G; j++) {
+        const float inv = 1.f / sum(l[j]);
+        for (int64_t i = 0; i < D; i++)
+            o[j * D + i] = sum(acc[j * D + i]) * inv;
+    }
+}
+
+// Shapes attend_group_blocks takes: constant, whole vectors per block, and at most 16
+// accumulators (a group's G x D).
+template <int64_t D, int64_t G, int64_t BS>
+constexpr bool kWholeBlocks = D != 0 && G != 0 && BS != 0 && BS % kLanes == 0 && D * G <= 16;
+
 // The G query heads that share one KV head (grouped-query attention), in two passes over
 // the context: every scaled score and its maximum, then the exp-weighted sums of V (no
 // running rescale). Each K and V vector is loaded once for all G heads; the maxima and
@@ -280,6 +373,24 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
     }
 }
 
+// A float32 group: attend_group_blocks where it applies, else attend_group.
+template <int64_t D, int64_t G, int64_t BS>
+inline void attend_f32(const float* q, const void* k_cache, const void* v_cache, const int32_t* bt,
+                       int64_t start, int64_t len, int64_t tile_stride, int64_t tile_off,
+                       int64_t d, int64_t g, int64_t bs, float scale, float softcap, float* sc,
+                       int64_t sc_stride, float* o) {
+    if constexpr (kWholeBlocks<D, G, BS>) {
+        if (start == 0 && softcap == 0.f) {
+            attend_group_blocks<D, G, BS>(q, static_cast<const float*>(k_cache),
+                                          static_cast<const float*>(v_cache), bt, len,
+                                          tile_stride, tile_off, scale, sc, sc_stride, o);
+            return;
+        }
+    }
+    attend_group<false, D, G, BS>(q, k_cache, v_cache, bt, start, len, tile_stride, tile_off, d,
+                                  g, bs, scale, softcap, sc, sc_stride, o);
+}
+
 // Ask the memory system for `tile` elements `off` into each block over blocks [b0, b1),
 // of K and V: every cache line of them at once, so that their misses overlap. Locality:
 // __builtin_prefetch's, 3 (L1: one KV head's tiles, the next head's) or 2 (L2: whole
@@ -350,8 +461,8 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
             const float* qg = static_cast<const float*>(q_row) + h0 * d;
             float* og = static_cast<float*>(o_row) + h0 * d;
 #define GROUP(D_, G_, BS_)                                                                    \
-    attend_group<false, D_, G_, BS_>(qg, k_cache, v_cache, bt, start, len, tile_stride, off, d, \
-                                     G, bs, scale, softcap, sc, sc_stride, og)
+    attend_f32<D_, G_, BS_>(qg, k_cache, v_cache, bt, start, len, tile_stride, off, d, G, bs,   \
+                            scale, softcap, sc, sc_stride, og)
 #define SHAPES(BS_)                                                                           \
     if (d == 8 && G == 1)                                                                     \
         GROUP(8, 1, BS_);                                                                     \
