@@ -7,7 +7,7 @@ machine hits every side of a ratio:
   over the median decode-step time per token for the engine, llama2.c's own "achieved tok/s" (from
   its second token), tokens over wall time for CTranslate2 and transformers;
 - batched: --num-requests requests x --batch-tokens tokens, tokens over wall time (not
-  llama2.c, which has no batching).
+  llama2.c, which has no batching), after one untimed run per side.
 Per engine mode (and --num-scheduler-steps setting): medians over rounds, and the median
 over rounds of its tokens/s over each peer's in the same round; the engine's own work per
 token at batch 1 (median step time per token minus median forward); start-up seconds,
@@ -243,6 +243,12 @@ def bench_model(
         bandwidths.append(peers.measure_bandwidth(mib=256, repeats=3).floor_gbs)
     bat: dict[str, list[float | None]] = {s.name: [] for s in sides}
     prompts = batch_prompts(num_requests)
+    if throughput_repeats:
+        # One untimed run per side first: a side's first batched run also pays for the
+        # first touch of its caches' memory (on these VMs a fresh page costs far more
+        # than its use; docs/performance.md, 2026-12-03 19:30 UTC).
+        for s in sides:
+            s.batched(prompts, batch_tokens)
     for _ in range(throughput_repeats):
         for s in sides:
             bat[s.name].append(s.batched(prompts, batch_tokens))
