@@ -39,14 +39,13 @@ from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
 from decodegraph.models.llama import get_head_dim, get_num_heads_per_rank
 from decodegraph.models.loader import get_model
 from decodegraph.platforms.base import Platform
-from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata
-from decodegraph.sample.sampler import Sampler, SamplerOutput
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.worker import prompt_logprobs
 from decodegraph.worker.attention_groups import AttentionGroups, build_attention_groups
 from decodegraph.worker.input_batch import InputBatch
 from decodegraph.worker.input_buffers import InputBuffers
 from decodegraph.worker.request_state import CachedRequestState, RequestStates
+from decodegraph.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +97,14 @@ class ModelRunner:
         self.attn_backend: AttentionBackend | None = None
         self.buffers: InputBuffers | None = None
         self.graph_runner: GraphRunner | None = None
-        self.sampler = Sampler()
         # This rank's tensor-parallel group: rank 0 samples for all (world size 1: alone).
         self.tp_group = get_tp_group()
-        self._sampling_statics = BatchStaticsCache()
+        # Samples each step's rows (with the grammar masks of structured-output requests).
+        self.step_sampler = StepSampler(
+            self.vocab_size, self.device, self.tp_group, structured_output
+        )
         # What the runner knows of each request (from the scheduler's data only).
         self.requests = RequestStates(self.device, structured_output)
-        # Builds the grammar bitmask of steps with structured-output requests.
-        self.structured_output = structured_output
         self.model: torch.nn.Module | None = None
         # Blocks of each KV cache group (the null block included), set by initialize_kv_cache.
         self.num_blocks_per_group: list[int] = []
@@ -115,8 +114,8 @@ class ModelRunner:
 
     def set_structured_output(self, manager: StructuredOutputManager | None) -> None:
         """The manager that gives grammar requests their matchers and masks."""
-        self.structured_output = manager
         self.requests.structured_output = manager
+        self.step_sampler.structured_output = manager
 
     def load_model(self, path: object = None) -> None:
         """Load the weights, then set up what follows from the model's attention groups."""
@@ -293,13 +292,7 @@ class ModelRunner:
         # A multi-step batch holds no new or resumed request (the scheduler plans one only
         # while every request decodes): its deltas are new blocks, which sampling never
         # reads, so the requests' states as they are decide it.
-        meta = SamplingMetadata.from_requests(
-            [self.requests[r] for r in so.req_ids],
-            self.vocab_size,
-            self.device,
-            self._sampling_statics,
-        )
-        if not meta.is_fast_greedy:
+        if not self.step_sampler.metadata([self.requests[r] for r in so.req_ids]).is_fast_greedy:
             return None
         states = self.requests.update(so)
         # A decode size's batch runs FULL (the multi-step graphs exist only then).
@@ -355,13 +348,9 @@ class ModelRunner:
                 logits = logits[rows]
                 if greedy_ids is not None:
                     greedy_ids = greedy_ids[rows]
-            if self.tp_group.rank == 0:
-                out = self._sample(sampling_states, logits, greedy_ids)
-            else:
-                out = SamplerOutput([], None)
-            if self.tp_group.world_size > 1:
-                # Rank 0's tokens are every rank's: each feeds them to its next step.
-                out = out._replace(sampled_token_ids=self._broadcast_tokens(out, len(rows)))
+            out = self.step_sampler(
+                sampling_states, logits, greedy_ids, bool(self.requests.num_with_grammar)
+            )
             for i, state, tok in zip(rows, sampling_states, out.sampled_token_ids, strict=True):
                 sampled[i] = tok
                 state.append_output_token(tok)
@@ -374,33 +363,6 @@ class ModelRunner:
             output.prompt_logprobs_dict = prompt_logprobs.take_finished(states, rows)
             self.requests.collecting_prompt_logprobs.difference_update(output.prompt_logprobs_dict)
         return output, batch
-
-    def _sample(
-        self,
-        states: list[CachedRequestState],
-        logits: torch.Tensor,
-        greedy_ids: torch.Tensor | None,
-    ) -> SamplerOutput:
-        meta = SamplingMetadata.from_requests(
-            states, self.vocab_size, self.device, self._sampling_statics
-        )
-        if self.requests.num_with_grammar:
-            # A mask makes is_fast_greedy False: the graph's argmax is not used.
-            meta.structured_output_mask = self.structured_output.grammar_bitmask(
-                [s.grammar for s in states]
-            )
-        if greedy_ids is not None and meta.is_fast_greedy:
-            # The graph's argmax: the sampler's greedy rule (first maximum).
-            return SamplerOutput(greedy_ids.tolist(), None)
-        return self.sampler(logits, meta)
-
-    def _broadcast_tokens(self, out: SamplerOutput, num_rows: int) -> list[int]:
-        """Rank 0's sampled ids, on every rank."""
-        if self.tp_group.rank == 0:
-            ids = torch.tensor(out.sampled_token_ids, dtype=torch.int64, device=self.device)
-        else:
-            ids = torch.empty(num_rows, dtype=torch.int64, device=self.device)
-        return self.tp_group.broadcast(ids, src=0).tolist()
 
     def _forward(
         self, batch: InputBatch

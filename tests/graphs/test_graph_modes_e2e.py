@@ -397,8 +397,11 @@ def test_full_decode_graphs_give_greedy_ids_and_the_sampler_runs_otherwise(
     llm = engine("stories", mode)
     runner = llm.llm_engine.runner
     calls = []
-    sampler = runner.sampler
-    runner.sampler = lambda logits, meta: calls.append(logits.shape[0]) or sampler(logits, meta)
+    step_sampler = runner.step_sampler
+    sampler = step_sampler.sampler
+    step_sampler.sampler = lambda logits, meta: (
+        calls.append(logits.shape[0]) or sampler(logits, meta)
+    )
     try:
         prompts = _prompts("stories", 3, (4, 9), seed=8)
         assert _run(llm, prompts, 12) == _run(engine("stories", "NONE"), prompts, 12)
@@ -406,7 +409,7 @@ def test_full_decode_graphs_give_greedy_ids_and_the_sampler_runs_otherwise(
         seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
         llm.generate(prompts, seeded, use_tqdm=False)
     finally:
-        runner.sampler = sampler
+        step_sampler.sampler = sampler
     assert greedy_calls <= 1  # the prefill step only
     assert len(calls) - greedy_calls >= 11  # every step of the sampled run
 

@@ -94,11 +94,11 @@ def test_sampling_statics_are_cached_per_runner(stories_dir: Path) -> None:
     """The batch statics cache is the runner's: reused across its steps while the same
     requests sit in the same rows, never shared with another runner."""
     first, second = make_runner(stories_dir), make_runner(stories_dir)
-    assert first._sampling_statics is not second._sampling_statics
+    assert first.step_sampler.statics is not second.step_sampler.statics
     run_by_hand(first, PROMPTS, 2)
-    cached = first._sampling_statics._last
+    cached = first.step_sampler.statics._last
     assert cached is not None and [s.req_id for s in cached[0]] == ["0", "1", "2"]
-    assert second._sampling_statics._last is None
+    assert second.step_sampler.statics._last is None
 
 
 class _PeakMeasuringCpuPlatform(type(get_platform("cpu"))):
