@@ -70,6 +70,19 @@ class _BatchStatics:
     # (rows, token ids, biases) of the requests' logit_bias; None when none has one.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy, and nothing ever edits its logits or asks for logprobs:
+        one argmax is the whole job whatever the step (SamplingMetadata.is_fast_greedy
+        without a grammar mask)."""
+        return (
+            self.all_greedy
+            and not self.has_penalties
+            and not self.has_min_tokens
+            and self.max_num_logprobs is None
+            and self.logit_bias is None
+        )
+
 
 @dataclass
 class SamplingMetadata:

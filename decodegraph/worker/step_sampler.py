@@ -61,6 +61,10 @@ class StepSampler:
         greedy_ids: torch.Tensor | None,
         with_grammar: bool,
     ) -> SamplerOutput:
+        if greedy_ids is not None and not with_grammar:
+            # The batch's statics alone can say the argmax is the rule: no metadata built.
+            if self.statics.get(states, self.vocab_size, self.device).plain_greedy:
+                return SamplerOutput(greedy_ids.tolist(), None)
         meta = self.metadata(states)
         if with_grammar:
             # A mask makes is_fast_greedy False: the graph's argmax is not used.
