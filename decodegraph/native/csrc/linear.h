@@ -31,7 +31,8 @@ namespace decodegraph {
 
 // How far ahead linear_one_row_f32 prefetches its weights, in values (2 KiB), and the
 // values of a 64-byte cache line: each iteration fetches every line of the block that
-// far ahead (past the row's end into the next rows, which follow it in memory).
+// far ahead (past the row's end into the next rows, which follow it in memory, and past
+// the last row's end too: a prefetch never faults).
 constexpr int64_t kF32PrefetchAhead = 512;
 constexpr int64_t kLineFloats = 16;
 static_assert((4 * kLanes) % kLineFloats == 0, "an iteration covers whole cache lines");
