@@ -7,6 +7,7 @@ softmax(q k^T * scale) v over the request's dense K/V (causal, with the context 
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -352,6 +353,38 @@ def test_a_large_step_split_over_threads_gives_the_same_bits(restore_threads: No
         check(case, out)
         outs.append(out)
     assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+# In a child process (the operator reads DECODEGRAPH_CPU_ROWS_AHEAD once per process):
+# a decode step whose K and V pass the operator's fetch-ahead threshold, with more decode
+# rows than it fetches ahead, checked against the reference and saved.
+_ROWS_AHEAD_STEP = """
+import sys, torch
+from tests.attention.test_torch_paged import check, make_backend, make_case, run
+backend = make_backend("native", 16, 4, 64, block_size=16, max_model_len=512, num_blocks=256)
+case = make_case(backend, [(200 + 7 * i, 1) for i in range(12)])
+out = run(case)
+check(case, out)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_fetching_later_rows_ahead_or_not_gives_the_same_bits(tmp_path) -> None:  # noqa: ANN001
+    require_native_op()
+    outs = []
+    for setting in ("0", "1"):
+        path = tmp_path / f"rows_ahead_{setting}.pt"
+        env = {**os.environ, "DECODEGRAPH_CPU_ROWS_AHEAD": setting}
+        proc = subprocess.run(
+            [sys.executable, "-c", _ROWS_AHEAD_STEP, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(torch.load(path))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_each_layer_has_its_own_cache(kernel: str) -> None:

@@ -46,6 +46,10 @@
 
 #include "vec.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace decodegraph {
 
 // Refuse metadata that would read or write outside the caches, the block table, the
@@ -551,11 +555,39 @@ constexpr int64_t kLookaheadBytes = int64_t{1} << 20;
 // lines are still in L2 then (docs/performance.md, "rows ahead").
 constexpr int64_t kRowsAhead = 4;
 
+// Whether decode rows fetch a later row's whole blocks into L2 (kRowsAhead), decided once
+// per process: DECODEGRAPH_CPU_ROWS_AHEAD=1 or 0 where set, else yes except on Intel
+// cores. A software prefetch holds one of the core's few L1 fill buffers until its line
+// arrives on Intel cores, so a row's burst of them stalls the loads behind it: there the
+// burst cost more than it saved, even with the caches in memory, while AMD cores gained
+// from it (docs/performance.md, "rows ahead"). The next KV head's tiles are fetched into
+// L1 either way.
+inline bool fetch_rows_ahead() {
+    static const bool yes = [] {
+        const char* env = std::getenv("DECODEGRAPH_CPU_ROWS_AHEAD");
+        if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0')
+            return env[0] == '1';
+#if defined(__x86_64__) || defined(__i386__)
+        unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
+        if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
+            char vendor[13];
+            std::memcpy(vendor, &ebx, 4);
+            std::memcpy(vendor + 4, &edx, 4);
+            std::memcpy(vendor + 8, &ecx, 4);
+            vendor[12] = '\0';
+            return std::strcmp(vendor, "GenuineIntel") != 0;
+        }
+#endif
+        return true;
+    }();
+    return yes;
+}
+
 // Write the new K/V of requests [r0, r1) and attend their tokens (after
 // paged_attention_begin), with `work` holding one thread's workspace. Where their K and V
 // are large (kLookaheadBytes), decode rows fetch ahead at two distances: each row's blocks
-// kRowsAhead rows early into L2 (prefetch_tiles<2>), and each KV head's tiles one head early
-// into L1 (Lookahead). Blocks are scattered, so the hardware prefetchers cannot see the
+// kRowsAhead rows early into L2 (prefetch_tiles<2>; where fetch_rows_ahead), and each KV
+// head's tiles one head early into L1 (Lookahead). Blocks are scattered, so the hardware prefetchers cannot see the
 // next tile coming, and each tile's first loads would otherwise wait on memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
                                      float* work) {
@@ -576,6 +608,7 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
         kv_bytes += (len - start) * tile_stride / bs * 2 * static_cast<int64_t>(elem);
     }
     const bool fetch_ahead = kv_bytes >= kLookaheadBytes;
+    const bool rows_ahead = fetch_ahead && fetch_rows_ahead();
     // A decode row (its request's only new token) and the row after it, if that is one too.
     auto decode = [a](int64_t r) DG_INLINE {
         return a->query_start_loc[r + 1] - a->query_start_loc[r] == 1;
@@ -597,7 +630,7 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
             span(r + 1, a->query_start_loc[r + 1], &ahead.start, &ahead.len);
         }
         const int64_t later = r + kRowsAhead;
-        if (look && later < r1 && decode(later)) {
+        if (rows_ahead && decode(r) && later < r1 && decode(later)) {
             int64_t start, len;
             span(later, a->query_start_loc[later], &start, &len);
             prefetch_tiles<2>(a->k_cache, a->v_cache, a->block_tables + later * a->bt_stride,
