@@ -587,8 +587,9 @@ inline bool fetch_rows_ahead() {
 // paged_attention_begin), with `work` holding one thread's workspace. Where their K and V
 // are large (kLookaheadBytes), decode rows fetch ahead at two distances: each row's blocks
 // kRowsAhead rows early into L2 (prefetch_tiles<2>; where fetch_rows_ahead), and each KV
-// head's tiles one head early into L1 (Lookahead). Blocks are scattered, so the hardware prefetchers cannot see the
-// next tile coming, and each tile's first loads would otherwise wait on memory in turn.
+// head's tiles one head early into L1 (Lookahead). Blocks are scattered, so the hardware
+// prefetchers cannot see the next tile coming, and each tile's first loads would otherwise
+// wait on memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
                                      float* work) {
     const int64_t d = a->head_size, g = a->num_heads / a->num_kv_heads, bs = a->block_size;
