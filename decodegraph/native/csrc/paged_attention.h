@@ -151,6 +151,19 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
                          float* __restrict__ sc, int64_t sc_stride, float* o) {
     static_assert(BS % kLanes == 0, "whole vectors per block");
     const int64_t full = len / BS, tail = len - full * BS;
+    // f(tile row at position p, p, live lanes n) for each vector of `cache`'s tiles: the
+    // whole blocks, then the last block's live vectors (one pass of K's or V's).
+    auto each_vector = [&](const float* cache, auto&& f) DG_INLINE {
+        for (int64_t b = 0; b < full; b++) {
+            const float* t = cache + static_cast<int64_t>(bt[b]) * tile_stride + tile_off;
+            for (int64_t c = 0; c < BS; c += kLanes)
+                f(t + c, b * BS + c, kLanes);
+        }
+        const float* last =
+            cache + (tail ? static_cast<int64_t>(bt[full]) * tile_stride : 0) + tile_off;
+        for (int64_t c = 0; c < tail; c += kLanes)
+            f(last + c, full * BS + c, tail - c < kLanes ? tail - c : kLanes);
+    };
     std::array<Vec, G> m, l;
     for (int64_t j = 0; j < G; j++) {
         m[j] = Vec(-FLT_MAX);
@@ -175,14 +188,7 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
             m[j] = at::vec::clamp_min(m[j], x);
         }
     };
-    for (int64_t b = 0; b < full; b++) {
-        const float* k = kc + static_cast<int64_t>(bt[b]) * tile_stride + tile_off;
-        for (int64_t c = 0; c < BS; c += kLanes)
-            score(k + c, b * BS + c, kLanes);
-    }
-    const float* k_last = kc + (tail ? static_cast<int64_t>(bt[full]) * tile_stride : 0) + tile_off;
-    for (int64_t c = 0; c < tail; c += kLanes)
-        score(k_last + c, full * BS + c, tail - c < kLanes ? tail - c : kLanes);
+    each_vector(kc, score);
     for (int64_t j = 0; j < G; j++)
         m[j] = Vec(max(m[j]));
     // Weights over the scores in place, 0 past the context, and their sums.
@@ -212,14 +218,7 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
                 acc[j * D + i] = at::vec::fmadd(w[j], vv, acc[j * D + i]);
         }
     };
-    for (int64_t b = 0; b < full; b++) {
-        const float* v = vc + static_cast<int64_t>(bt[b]) * tile_stride + tile_off;
-        for (int64_t c = 0; c < BS; c += kLanes)
-            weigh(v + c, b * BS + c, kLanes);
-    }
-    const float* v_last = vc + (tail ? static_cast<int64_t>(bt[full]) * tile_stride : 0) + tile_off;
-    for (int64_t c = 0; c < tail; c += kLanes)
-        weigh(v_last + c, full * BS + c, tail - c < kLanes ? tail - c : kLanes);
+    each_vector(vc, weigh);
     for (int64_t j = 0; j < G; j++) {
         const float inv = 1.f / sum(l[j]);
         for (int64_t i = 0; i < D; i++)
