@@ -34,8 +34,11 @@ torch's intra-op threads.
 
 A compiled graph's C++ wrapper calls the operators that stay opaque (the attention, the
 batch-1 projection, the collectives) through their C shims (`c_shims()`, csrc/cpu_ops.cpp),
-a plain C call, instead of through the dispatcher; the library is loaded RTLD_GLOBAL so
-that the wrapper's library finds them.
+a plain C call, instead of through the dispatcher. The wrapper's library finds them in a
+forwarding library of a few lines, loaded RTLD_GLOBAL, that depends on nothing but libc:
+the operators' library itself stays RTLD_LOCAL, since making it global would put torch's
+libraries, their BLAS with them, in the global scope, where any library loaded later (a
+CTranslate2 with an MKL of its own, say) would bind to them.
 
 Graph traces see the pointwise and norm operators as the aten ops they stand for
 (`decompositions()`), so Inductor fuses them with their neighbours; the attention
@@ -53,6 +56,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -279,17 +283,64 @@ _shims_visible = False
 
 
 def _make_shims_visible(library: Path) -> None:
-    """dlopen the operators' library again, loaded already (by torch.ops.load_library,
-    RTLD_LOCAL), with RTLD_GLOBAL and RTLD_NOLOAD: its symbols become visible to the
-    graphs' wrapper libraries, nothing is loaded. Where that fails, graphs call the
-    operators through the dispatcher (c_shims() gives none)."""
+    """Build (once) and load, RTLD_GLOBAL, the forwarding library (`_forwarder_source()`)
+    and point each of its shims at the operators' library's `decodegraph_shim_<op>`. The
+    operators' library, loaded by torch.ops.load_library, is only looked up (RTLD_NOLOAD,
+    local). Where any of it fails, graphs call the operators through the dispatcher
+    (c_shims() gives none)."""
     global _shims_visible
     try:
-        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
-    except (OSError, AttributeError) as e:  # no such flags (not POSIX), or not loaded
+        ops = ctypes.CDLL(str(library), mode=os.RTLD_NOLOAD)
+        forwarder = ctypes.CDLL(str(_build_forwarder(library.parent)), mode=os.RTLD_GLOBAL)
+        for name in C_SHIMS:
+            target = ctypes.cast(getattr(ops, f"decodegraph_shim_{name}"), ctypes.c_void_p)
+            ctypes.c_void_p.in_dll(forwarder, f"decodegraph_target_{name}").value = target.value
+    except (OSError, AttributeError, ValueError, subprocess.SubprocessError) as e:
+        # OSError: not loaded, no compiler; AttributeError: no such flag (not POSIX)
         logger.debug("the CPU operators' C shims stay local (%s): dispatcher calls", e)
         return
     _shims_visible = True
+
+
+def _forwarder_source() -> str:
+    """The C source of the forwarding library: for each C_SHIMS entry, a pointer
+    `decodegraph_target_<op>` and the shim `aoti_torch_cpu_<op>`, which calls it. The
+    handle and error types are declared as torch's shim.h declares them (a pointer to an
+    opaque struct, an int32), so the library needs no header and links nothing."""
+    parts = [
+        "#include <stdint.h>\n"
+        "typedef struct AtenTensorOpaque* AtenTensorHandle;\n"
+        "typedef int32_t AOTITorchError;\n"
+    ]
+    for name, declaration in C_SHIMS.items():
+        params = declaration[declaration.index("(") + 1 : declaration.rindex(")")]
+        args = ", ".join(re.split(r"[\s*]+", p.strip())[-1] for p in params.split(","))
+        parts.append(
+            f"AOTITorchError (*decodegraph_target_{name})({params}) = 0;\n"
+            f"{declaration} {{ return decodegraph_target_{name}({args}); }}\n"
+        )
+    return "".join(parts)
+
+
+def _build_forwarder(build_dir: Path) -> Path:
+    """The forwarding library, compiled into build_dir on first use (the file named by its
+    source's hash; written under a temporary name, then renamed, so that processes
+    building it at once do not read each other's half-written file)."""
+    source = _forwarder_source()
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    library = build_dir / f"graph_shims_{key}.so"
+    if library.exists():
+        return library
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    c_file = build_dir / f"graph_shims_{key}.c"
+    c_file.write_text(source)
+    partial = build_dir / f"graph_shims_{key}.{os.getpid()}.so"
+    # -x c: the source is C; --as-needed: no libstdc++ or libm the C++ driver adds
+    command = [get_cxx_compiler(), "-x", "c", "-O2", "-fPIC", "-shared", "-Wl,--as-needed"]
+    subprocess.run([*command, str(c_file), "-o", str(partial)], check=True, capture_output=True)
+    os.replace(partial, library)
+    return library
 
 
 # Each opaque operator's C shim, as Inductor declares it in a C++ wrapper: csrc/

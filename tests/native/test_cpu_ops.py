@@ -259,6 +259,22 @@ def test_the_batch_1_projections_c_shim_takes_an_absent_bias(cpu_ops: object) ->
     assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))
 
 
+def test_the_shims_are_global_and_torchs_libraries_are_not(cpu_ops: object) -> None:
+    """A library loaded after the operators finds the C shims in the global scope, and
+    finds none of torch's own symbols there (its C API, its BLAS): those would take the
+    place of a later library's own copies (a CTranslate2 with an MKL of its own)."""
+    import ctypes
+
+    from decodegraph import native
+
+    assert native._shims_visible
+    scope = ctypes.CDLL(None)  # the global scope, as a later library's lookups see it
+    for name in native.C_SHIMS:
+        assert hasattr(scope, f"aoti_torch_cpu_{name}")
+    assert hasattr(ctypes.CDLL(torch._C.__file__), "aoti_torch_new_tensor_handle")
+    assert not hasattr(scope, "aoti_torch_new_tensor_handle")
+
+
 def test_where_the_shims_cannot_be_made_visible_graphs_call_the_dispatcher(
     cpu_ops: object, monkeypatch: pytest.MonkeyPatch, tmp_path: object
 ) -> None:

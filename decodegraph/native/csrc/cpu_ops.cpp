@@ -32,16 +32,18 @@
 // its inputs (csrc/graph_entry.h), as an address; graph_entry_caller: the address of the
 // C function that calls one (decodegraph_graph_entry_call).
 //
-// aoti_torch_cpu_<op> (at the end): C shims of the operators a compiled graph calls.
-// Inductor's C++ wrapper calls an operator it has a C shim for (its config's
+// decodegraph_shim_<op> (at the end): the C shims of the operators a compiled graph
+// calls. Inductor's C++ wrapper calls an operator it has a C shim for (its config's
 // aot_inductor.custom_ops_to_c_shims) as a C function of tensor handles; any other
 // custom operator goes through the dispatcher at every call (aoti_torch_call_dispatcher:
 // a new handle per tensor argument, the arguments boxed, the operator looked up by name,
 // its kernel unboxed). A batch-1 graph makes one such call per layer (the attention; with
-// tensor parallelism the collectives too). The names are the ones Inductor gives an
-// operator's CPU shim; the declarations it writes into a wrapper are
-// native/__init__.py's C_SHIMS, which must match these signatures. A wrapper library
-// finds them when it loads: this library is loaded RTLD_GLOBAL.
+// tensor parallelism the collectives too). A wrapper calls aoti_torch_cpu_<op>, the name
+// Inductor gives an operator's CPU shim, declared as native/__init__.py's C_SHIMS (which
+// must match these signatures); a small library of its own, loaded RTLD_GLOBAL, defines
+// those names and forwards each call here. This library stays RTLD_LOCAL: made global, it
+// would take torch's libraries (their BLAS among them) into the global scope with it,
+// where libraries loaded later bind to them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -439,7 +441,7 @@ const at::Tensor& of(AtenTensorHandle h) {
 
 extern "C" {
 
-AOTITorchError aoti_torch_cpu_paged_attention(
+AOTITorchError decodegraph_shim_paged_attention(
     AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
     AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle slot_mapping,
     AtenTensorHandle block_tables, AtenTensorHandle query_start_loc, AtenTensorHandle seq_lens,
@@ -453,7 +455,7 @@ AOTITorchError aoti_torch_cpu_paged_attention(
     });
 }
 
-AOTITorchError aoti_torch_cpu_paged_attention_windowed_capped(
+AOTITorchError decodegraph_shim_paged_attention_windowed_capped(
     AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
     AtenTensorHandle k_cache, AtenTensorHandle v_cache, AtenTensorHandle slot_mapping,
     AtenTensorHandle block_tables, AtenTensorHandle query_start_loc, AtenTensorHandle seq_lens,
@@ -467,8 +469,8 @@ AOTITorchError aoti_torch_cpu_paged_attention_windowed_capped(
     });
 }
 
-AOTITorchError aoti_torch_cpu_linear_one_row(AtenTensorHandle x, AtenTensorHandle weight,
-                                             AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+AOTITorchError decodegraph_shim_linear_one_row(AtenTensorHandle x, AtenTensorHandle weight,
+                                               AtenTensorHandle* bias, AtenTensorHandle* ret0) {
     AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
         const std::optional<at::Tensor> b =
             bias == nullptr ? std::nullopt : std::optional<at::Tensor>(of(*bias));
@@ -476,15 +478,15 @@ AOTITorchError aoti_torch_cpu_linear_one_row(AtenTensorHandle x, AtenTensorHandl
     });
 }
 
-AOTITorchError aoti_torch_cpu_shm_all_reduce(AtenTensorHandle x, int64_t handle,
-                                             AtenTensorHandle* ret0) {
+AOTITorchError decodegraph_shim_shm_all_reduce(AtenTensorHandle x, int64_t handle,
+                                               AtenTensorHandle* ret0) {
     AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
         *ret0 = torch::aot_inductor::new_tensor_handle(decodegraph::shm_all_reduce(of(x), handle));
     });
 }
 
-AOTITorchError aoti_torch_cpu_shm_all_gather(AtenTensorHandle x, int64_t handle,
-                                             int64_t world_size, AtenTensorHandle* ret0) {
+AOTITorchError decodegraph_shim_shm_all_gather(AtenTensorHandle x, int64_t handle,
+                                               int64_t world_size, AtenTensorHandle* ret0) {
     AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
         *ret0 = torch::aot_inductor::new_tensor_handle(
             decodegraph::shm_all_gather(of(x), handle, world_size));
