@@ -139,6 +139,38 @@ struct Uninitialized {
     Vec& operator[](int64_t i) { return reinterpret_cast<Vec*>(raw)[i]; }
 };
 
+// A later decode row's whole blocks (K and V, every KV head: one contiguous run a block),
+// fetched into L2 a few cache lines at a time while this row's vectors go by: `step()`
+// after each vector of K or V the kernels visit, `per_step` lines of each cache a call,
+// so that the fetches spread over the row's compute. Asked for in one burst instead, the
+// lines queue behind the core's few miss buffers and the core waits for the burst before
+// it computes (docs/performance.md, "rows ahead, trickled").
+struct RowFetch {
+    const char *kc, *vc;
+    const int32_t* bt;
+    int64_t block, end;  // the next block to fetch, and the row's last block + 1
+    int64_t at, bytes;   // the next line's offset in its block's run, and the run's bytes
+    int64_t per_step;
+
+    DG_INLINE void step() {
+        for (int64_t i = 0; i < per_step && block < end; i++) {
+            const int64_t o = static_cast<int64_t>(bt[block]) * bytes + at;
+            __builtin_prefetch(kc + o, 0, 2);
+            __builtin_prefetch(vc + o, 0, 2);
+            at += 64;
+            if (at >= bytes) {
+                at = 0;
+                block++;
+            }
+        }
+    }
+    // What is left, at once (the row ended before its vectors had fetched it all).
+    void finish() {
+        per_step = end * (bytes / 64 + 1);
+        step();
+    }
+};
+
 // attend_group for float32 at constant D, G and BS with the whole context in view (no
 // sliding window, no soft-capping), where the G x D accumulators are few enough for
 // registers: three straight passes, each a loop over whole blocks and then the last
@@ -148,21 +180,28 @@ struct Uninitialized {
 template <int64_t D, int64_t G, int64_t BS>
 void attend_group_blocks(const float* q, const float* kc, const float* vc, const int32_t* bt,
                          int64_t len, int64_t tile_stride, int64_t tile_off, float scale,
-                         float* __restrict__ sc, int64_t sc_stride, float* o) {
+                         float* __restrict__ sc, int64_t sc_stride, float* o, RowFetch* fetch) {
     static_assert(BS % kLanes == 0, "whole vectors per block");
     const int64_t full = len / BS, tail = len - full * BS;
     // f(tile row at position p, p, live lanes n) for each vector of `cache`'s tiles: the
-    // whole blocks, then the last block's live vectors (one pass of K's or V's).
+    // whole blocks, then the last block's live vectors (one pass of K's or V's), each
+    // followed by a step of the later row's fetch, where there is one.
     auto each_vector = [&](const float* cache, auto&& f) DG_INLINE {
         for (int64_t b = 0; b < full; b++) {
             const float* t = cache + static_cast<int64_t>(bt[b]) * tile_stride + tile_off;
-            for (int64_t c = 0; c < BS; c += kLanes)
+            for (int64_t c = 0; c < BS; c += kLanes) {
                 f(t + c, b * BS + c, kLanes);
+                if (fetch != nullptr)
+                    fetch->step();
+            }
         }
         const float* last =
             cache + (tail ? static_cast<int64_t>(bt[full]) * tile_stride : 0) + tile_off;
-        for (int64_t c = 0; c < tail; c += kLanes)
+        for (int64_t c = 0; c < tail; c += kLanes) {
             f(last + c, full * BS + c, tail - c < kLanes ? tail - c : kLanes);
+            if (fetch != nullptr)
+                fetch->step();
+        }
     };
     std::array<Vec, G> m, l;
     for (int64_t j = 0; j < G; j++) {
@@ -246,7 +285,7 @@ template <bool Bf16, int64_t D, int64_t G, int64_t BS>
 void attend_group(const float* q, const void* k_cache, const void* v_cache, const int32_t* bt,
                   int64_t start, int64_t len, int64_t tile_stride, int64_t tile_off,
                   int64_t d_, int64_t g_, int64_t bs_, float scale, float softcap,
-                  float* __restrict__ sc, int64_t sc_stride, float* o) {
+                  float* __restrict__ sc, int64_t sc_stride, float* o, RowFetch* fetch) {
     using KV = std::conditional_t<Bf16, uint16_t, float>;
     const int64_t d = D ? D : d_, g = G ? G : g_, bs = BS ? BS : bs_;
     const KV *kc = static_cast<const KV*>(k_cache), *vc = static_cast<const KV*>(v_cache);
@@ -277,6 +316,8 @@ void attend_group(const float* q, const void* k_cache, const void* v_cache, cons
                     fn(std::true_type{}, tile, p, lo, n);
                 else
                     fn(std::false_type{}, tile, p, lo, n);
+                if (fetch != nullptr)
+                    fetch->step();
             }
         }
     };
@@ -381,24 +422,22 @@ template <int64_t D, int64_t G, int64_t BS>
 inline void attend_f32(const float* q, const void* k_cache, const void* v_cache, const int32_t* bt,
                        int64_t start, int64_t len, int64_t tile_stride, int64_t tile_off,
                        int64_t d, int64_t g, int64_t bs, float scale, float softcap, float* sc,
-                       int64_t sc_stride, float* o) {
+                       int64_t sc_stride, float* o, RowFetch* fetch) {
     if constexpr (kWholeBlocks<D, G, BS>) {
         if (start == 0 && softcap == 0.f) {
             attend_group_blocks<D, G, BS>(q, static_cast<const float*>(k_cache),
                                           static_cast<const float*>(v_cache), bt, len,
-                                          tile_stride, tile_off, scale, sc, sc_stride, o);
+                                          tile_stride, tile_off, scale, sc, sc_stride, o, fetch);
             return;
         }
     }
     attend_group<false, D, G, BS>(q, k_cache, v_cache, bt, start, len, tile_stride, tile_off, d,
-                                  g, bs, scale, softcap, sc, sc_stride, o);
+                                  g, bs, scale, softcap, sc, sc_stride, o, fetch);
 }
 
 // Ask the memory system for `tile` elements `off` into each block over blocks [b0, b1),
-// of K and V: every cache line of them at once, so that their misses overlap. Locality:
-// __builtin_prefetch's, 3 (L1: one KV head's tiles, the next head's) or 2 (L2: whole
-// blocks, a later row's context; a block of all heads is one contiguous run).
-template <int Locality = 3>
+// of K and V, into L1 (one KV head's tiles, the next head's): every cache line of them at
+// once, so that their misses overlap.
 inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32_t* bt,
                            int64_t b0, int64_t b1, int64_t tile_stride, int64_t off,
                            int64_t tile, size_t elem) {
@@ -407,18 +446,19 @@ inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32
     for (int64_t b = b0; b < b1; b++) {
         const int64_t at = (static_cast<int64_t>(bt[b]) * tile_stride + off) * e;
         for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch(kc + at + o, 0, Locality);
-            __builtin_prefetch(vc + at + o, 0, Locality);
+            __builtin_prefetch(kc + at + o, 0, 3);
+            __builtin_prefetch(vc + at + o, 0, 3);
         }
     }
 }
 
 // What a decode row fetches ahead (paged_attention_requests): while it attends one KV
 // head, the next head's tiles; while it attends its last, the next row's first head's
-// (`bt` null: none).
+// (`bt` null: none); and all along, a later row's blocks (`later`, null: none).
 struct Lookahead {
     const int32_t* bt;
     int64_t start, len;
+    RowFetch* later;
 };
 
 // One token's row: each KV head with its query heads, in groups of at most
@@ -435,6 +475,7 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
     const int64_t fit = kMaxGroupAcc / d > 1 ? kMaxGroupAcc / d : 1;
     const int64_t max_g = fit < kMaxGroup ? fit : kMaxGroup;
     float qf[kMaxGroupAcc > kMaxHead ? kMaxGroupAcc : kMaxHead], of[sizeof qf / sizeof(float)];
+    RowFetch* const later = ahead != nullptr ? ahead->later : nullptr;
     for (int64_t h = 0; h < num_heads; h += g) {
         const int64_t off = (h / g) * tile;
         if (ahead != nullptr && h + g < num_heads)
@@ -452,11 +493,11 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
                 if (bs == 16)
                     attend_group<true, 0, 0, 16>(qf, k_cache, v_cache, bt, start, len,
                                                  tile_stride, off, d, G, bs, scale, softcap, sc,
-                                                 sc_stride, of);
+                                                 sc_stride, of, later);
                 else
                     attend_group<true, 0, 0, 0>(qf, k_cache, v_cache, bt, start, len,
                                                 tile_stride, off, d, G, bs, scale, softcap, sc,
-                                                sc_stride, of);
+                                                sc_stride, of, later);
                 for (int64_t i = 0; i < G * d; i++)
                     static_cast<uint16_t*>(o_row)[h0 * d + i] = f32_to_bf16(of[i]);
                 continue;
@@ -465,7 +506,7 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
             float* og = static_cast<float*>(o_row) + h0 * d;
 #define GROUP(D_, G_, BS_)                                                                    \
     attend_f32<D_, G_, BS_>(qg, k_cache, v_cache, bt, start, len, tile_stride, off, d, G, bs,   \
-                            scale, softcap, sc, sc_stride, og)
+                            scale, softcap, sc, sc_stride, og, later)
 #define SHAPES(BS_)                                                                           \
     if (d == 8 && G == 1)                                                                     \
         GROUP(8, 1, BS_);                                                                     \
@@ -549,7 +590,7 @@ inline void write_request_kv(const paged_attention_step *a, int64_t r)
 // core's own caches, where fetching ahead only adds instructions.
 constexpr int64_t kLookaheadBytes = int64_t{1} << 20;
 
-// How many decode rows ahead a row asks for a later row's whole blocks (into L2): far
+// How many decode rows ahead a row fetches a later row's whole blocks (into L2): far
 // enough for the memory system to answer before that row starts, near enough that its
 // lines are still in L2 then (docs/performance.md, "rows ahead").
 constexpr int64_t kRowsAhead = 4;
@@ -559,8 +600,9 @@ constexpr int64_t kRowsAhead = 4;
 // cores. A software prefetch holds one of the core's few L1 fill buffers until its line
 // arrives on Intel cores, so a row's burst of them stalls the loads behind it: there the
 // burst cost more than it saved, even with the caches in memory, while AMD cores gained
-// from it (docs/performance.md, "rows ahead"). The next KV head's tiles are fetched into
-// L1 either way.
+// from it (docs/performance.md, "rows ahead"). The fetch is now trickled (RowFetch), not
+// a burst; Intel cores keep it off until that is measured there. The next KV head's tiles
+// are fetched into L1 either way.
 inline bool fetch_rows_ahead() {
     static const bool yes = [] {
         const char* env = std::getenv("DECODEGRAPH_CPU_ROWS_AHEAD");
@@ -585,8 +627,9 @@ inline bool fetch_rows_ahead() {
 // Write the new K/V of requests [r0, r1) and attend their tokens (after
 // paged_attention_begin), with `work` holding one thread's workspace. Where their K and V
 // are large (kLookaheadBytes), decode rows fetch ahead at two distances: each row's blocks
-// kRowsAhead rows early into L2 (prefetch_tiles<2>; where fetch_rows_ahead), and each KV
-// head's tiles one head early into L1 (Lookahead). Blocks are scattered, so the hardware
+// kRowsAhead rows early into L2, trickled over the vectors of the row kRowsAhead before it
+// (RowFetch; where fetch_rows_ahead), and each KV head's tiles one head early into L1
+// (Lookahead). Blocks are scattered, so the hardware
 // prefetchers cannot see the next tile coming, and each tile's first loads would otherwise
 // wait on memory in turn.
 inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, int64_t r1,
@@ -623,19 +666,33 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
     for (int64_t r = r0; r < r1; r++) {
         const int32_t* bt = a->block_tables + r * a->bt_stride;
         const int64_t first = a->query_start_loc[r], end = a->query_start_loc[r + 1];
-        Lookahead ahead{nullptr, 0, 0};
+        Lookahead ahead{nullptr, 0, 0, nullptr};
         const bool look = fetch_ahead && decode(r);
         if (look && r + 1 < r1 && decode(r + 1)) {
             ahead.bt = a->block_tables + (r + 1) * a->bt_stride;
             span(r + 1, a->query_start_loc[r + 1], &ahead.start, &ahead.len);
         }
         const int64_t later = r + kRowsAhead;
-        if (rows_ahead && decode(r) && later < r1 && decode(later)) {
-            int64_t start, len;
+        RowFetch fetch{};
+        if (look && rows_ahead && later < r1 && decode(later)) {
+            int64_t start, len, own_start, own_len;
             span(later, a->query_start_loc[later], &start, &len);
-            prefetch_tiles<2>(a->k_cache, a->v_cache, a->block_tables + later * a->bt_stride,
-                              start / bs, (len + bs - 1) / bs, tile_stride, 0, tile_stride,
-                              elem);
+            span(r, first, &own_start, &own_len);
+            const int64_t bytes = tile_stride * static_cast<int64_t>(elem);
+            // Its lines over this row's vector visits (K's and V's pass for each KV head).
+            const int64_t b0 = start / bs, b1 = (len + bs - 1) / bs;
+            const int64_t lines = (b1 - b0) * ((bytes + 63) / 64);
+            const int64_t visits =
+                a->num_kv_heads * 2 * ((own_len - own_start + kLanes - 1) / kLanes);
+            fetch = RowFetch{static_cast<const char*>(a->k_cache),
+                             static_cast<const char*>(a->v_cache),
+                             a->block_tables + later * a->bt_stride,
+                             b0,
+                             b1,
+                             0,
+                             bytes,
+                             visits > 0 ? (lines + visits - 1) / visits : lines};
+            ahead.later = &fetch;
         }
         write_request_kv(a, r);
         for (int64_t t = first; t < end; t++) {
@@ -647,6 +704,7 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
                        tile_stride, a->scale, a->softcap, work, a->max_len, a->bf16,
                        look ? &ahead : nullptr);
         }
+        fetch.finish();
     }
     restore_fp_mode(fp_mode);
 }
