@@ -277,3 +277,61 @@ def test_bf16_graphs_agree_with_eager_within_logprob_tolerance(
         outs[m] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in result]
         del llm
     check_logprobs_close(outs["NONE"], outs[mode], "NONE", mode)
+
+
+# Against references we did not write: the output stories260K's authors published, and
+# transformers' generate() on the same weights on the same GPU.
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL_DECODE_ONLY", "FULL"])
+def test_the_bundled_model_tells_the_published_story(
+    stories_dir: Path, backend: str, mode: str
+) -> None:
+    from tests.conftest import STORIES_GREEDY_TEXT
+
+    os.environ[ENV_VAR] = backend
+    try:
+        llm = LLM(
+            str(stories_dir),
+            device="cuda",
+            dtype="float32",
+            compilation_config={"cudagraph_mode": mode, "cudagraph_capture_sizes": SIZES},
+            max_model_len=128,
+            kv_cache_memory_bytes=16 << 20,
+        )
+    finally:
+        del os.environ[ENV_VAR]
+    # The story four times in one batch, beside prompts of other lengths.
+    prompts = [[1]] * 4 + _prompts(3, seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(61), use_tqdm=False)
+    assert [o.outputs[0].text for o in outs[:4]] == [STORIES_GREEDY_TEXT] * 4
+    counts = llm.llm_engine.runner.graph_runner.mode_counts
+    if mode != "NONE":
+        assert any(runtime == "FULL" and n for (_, runtime), n in counts.items()), counts
+
+
+def test_greedy_ids_and_logprobs_match_transformers_on_the_gpu(
+    engine: Callable[[str], LLM], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_engine_vs_transformers import PROMPTS, hf_generate
+
+    llm = engine("FULL_DECODE_ONLY")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    path = make_checkpoint(tmp_path_factory.mktemp("hf_ref"), "llama-gqa")
+    ref = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    ref = ref.cuda().eval()
+    ref.generation_config.eos_token_id = None
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.device("cuda"):
+            want_ids, want_logprobs = hf_generate(ref, prompt, num_tokens=24)
+        got = out.outputs[0]
+        assert got.token_ids == want_ids, f"prompt of {len(prompt)} tokens"
+        for step, tok in enumerate(want_ids):
+            assert got.logprobs[step][tok].logprob == pytest.approx(
+                want_logprobs[step, tok].item(), abs=1e-3
+            )
