@@ -219,6 +219,8 @@ class EngineCore:
     @property
     def runner(self) -> ModelRunner:
         """The model runner, where it shares this process (tensor_parallel_size 1)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.dead}") from self.dead
         worker = getattr(self.executor, "driver_worker", None)
         if worker is None:
             raise AttributeError(

@@ -276,6 +276,28 @@ def test_chunked_prefill_attends_over_the_context_offset(
     check(case, run(case))
 
 
+@pytest.mark.parametrize("scores", [1, 4 * 24 * 3])
+def test_queries_after_a_context_go_in_chunks_of_bounded_scores(
+    monkeypatch: pytest.MonkeyPatch, scores: int
+) -> None:
+    """The tensor-op path holds at most _MASKED_SCORES scores per masked call: one query
+    row per call at the smallest bound, three at the other; same outputs as one call."""
+    import decodegraph.attention.backends.torch_paged as torch_paged
+
+    monkeypatch.setattr(torch_paged, "_MASKED_SCORES", scores)
+    calls = []
+    sdpa = torch_paged.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch_paged.F,
+        "scaled_dot_product_attention",
+        lambda q, *a, **kw: calls.append(q.shape[2]) or sdpa(q, *a, **kw),
+    )
+    case = make_case(make_backend("torch-ops", 4, 2), [(12, 12), (0, 5)])
+    check(case, run(case))
+    # The first request's 12 queries over 24 positions; the whole prompt is one call.
+    assert calls == ([1] * 12 if scores == 1 else [3] * 4) + [5]
+
+
 @pytest.mark.parametrize("head_size", [8, 64])
 @pytest.mark.parametrize(
     "lengths", [[16], [1, 15, 17, 32], [33, 48, 100, 128], [127, 64, 5, 31]], ids=str

@@ -492,3 +492,23 @@ def test_a_reused_request_id_gets_its_own_block_table_row(stories_dir: Path) -> 
     stopped = SamplingParams(temperature=0.0, max_tokens=40, stop=[_stop_string_in(text, 30)])
     assert run(engine, prompts, stopped)[0][0].outputs[0].finish_reason == "stop"
     assert ids_of(run(engine, prompts)[0]) == want
+
+
+def test_after_a_failed_step_the_runner_says_the_engine_failed(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decodegraph.engine.core import EngineDeadError
+
+    engine = make_engine(stories_dir)
+    engine.add_request("a", {"prompt_token_ids": prompt(4)}, greedy(4))
+
+    def out_of_memory(*args: Any) -> Any:
+        raise torch.OutOfMemoryError("no memory left")
+
+    monkeypatch.setattr(engine.runner, "execute_model", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step()
+    with pytest.raises(EngineDeadError, match="no memory left"):
+        engine.runner  # noqa: B018
+    with pytest.raises(EngineDeadError, match="no memory left"):
+        engine.step()

@@ -36,6 +36,9 @@ from decodegraph.attention.backends.base import (
 from decodegraph.forward_context import EAGER_PARAMS_ID
 from decodegraph.native import load_cpu_ops
 
+# Scores one masked SDPA call may hold (float32 in torch's math kernel): 256 MiB.
+_MASKED_SCORES = 1 << 26
+
 
 class CPUAttentionBackend(AttentionBackend):
     """Paged attention whose lengths are host values (graph params)."""
@@ -249,20 +252,44 @@ class CPUAttentionBackend(AttentionBackend):
                 )
                 out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
                 continue
-            mask = None
-            if 1 < q_len < length:
-                q_pos = self._positions[length - q_len : length]
-                mask = self._positions[:length][None, :] <= q_pos[:, None]
+            o = self._causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), length)
+            out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
+
+    def _causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """q [h, q_len, d], the last q_len of `length` positions; k, v [kvh, length, d].
+
+        Four-dimensional inputs, so that SDPA may take its fused kernels (flash attention
+        on CUDA) rather than the math one, which holds every score in float32 (32 GiB for
+        one layer of a 32k-token Llama-3.2-1B prompt). A whole prompt is causal from the
+        top left (no mask); queries after a cached context need a mask, which no fused
+        kernel takes beside GQA, so they go in chunks of query rows whose scores stay
+        within _MASKED_SCORES values."""
+        h, q_len, _ = q.shape
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if q_len == length or q_len == 1:
             o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(0, 1),
-                v.transpose(0, 1),
+                q, k, v, is_causal=q_len > 1, scale=self.scale, enable_gqa=True
+            )
+            return o[0]
+        rows = max(1, _MASKED_SCORES // (h * length))
+        out = q.new_empty(q.shape)
+        for first in range(0, q_len, rows):
+            last = min(first + rows, q_len)
+            # Query i sees positions up to its own, length - q_len + i.
+            seen = length - q_len + last
+            q_pos = self._positions[length - q_len + first : seen]
+            mask = self._positions[:seen][None, :] <= q_pos[:, None]
+            out[:, :, first:last] = F.scaled_dot_product_attention(
+                q[:, :, first:last],
+                k[:, :, :seen],
+                v[:, :, :seen],
                 attn_mask=mask,
-                is_causal=q_len == length and q_len > 1,
                 scale=self.scale,
                 enable_gqa=True,
             )
-            out[start:end] = o.transpose(0, 1).reshape(q_len, h * d)
+        return out[0]
 
 
 class CUDATorchAttentionBackend(CPUAttentionBackend):
