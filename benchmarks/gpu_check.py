@@ -19,8 +19,8 @@ keeps what ran. Rows run most decisive first, and any row that would start past
    with NONE in bf16, batch 1.
 4. The rest of the latency grid: batch 1, 8, 32, 128 at contexts 128, 4k and 32k (where
    batch x context stays within --max-batch-tokens of KV to prefill), per mode.
-5. Cost at the platform's default capture sizes (35 of them): capture seconds and graph
-   memory of FULL_DECODE_ONLY.
+5. Cost at the platform's default capture sizes (those up to max_num_seqs, 128):
+   capture seconds and graph memory of FULL_DECODE_ONLY.
 
 With no GPU it prints one line and exits 2. `--smoke` runs the same rows on the CPU with
 tiny shapes (the test suite does, to keep the script working between GPU sessions).

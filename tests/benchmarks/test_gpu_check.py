@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.py stays runnable between GPU sessions: its rows run on the CPU
-with tiny shapes (--smoke) from a bare checkout (PYTHONPATH only), and without a GPU
-its plain run refuses in one line."""
+"""benchmarks/gpu_check.py and gpu_profile.py stay runnable between GPU sessions: they
+run on the CPU with tiny shapes (--smoke) from a bare checkout (PYTHONPATH only), and
+without a GPU their plain runs refuse in one line."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+PROFILE = ROOT / "benchmarks" / "gpu_profile.py"
+
+
+def _run(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, env=env
     )
 
 
@@ -56,3 +59,19 @@ def test_a_row_past_the_budget_is_recorded_as_skipped(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     assert rows and all("skipped" in r for r in rows.values())
+
+
+def test_the_profile_runs_in_the_smoke_run_and_refuses_without_a_gpu(tmp_path: Path) -> None:
+    proc = _run("--smoke", "--out-dir", str(tmp_path), script=PROFILE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_profile.json").read_text())
+    assert report["full_graph"]["replay_ms"] > 0 and report["none_step_ms"] > 0
+    assert {p["weight"].rsplit(".", 2)[-2] for p in report["projections"]} >= {
+        "qkv_proj",
+        "down_proj",
+    }
+    for table in ("kernels", "eager_host", "eager_ops"):
+        assert (tmp_path / f"gpu_profile_{table}.txt").read_text().strip()
+    if not torch.cuda.is_available():
+        proc = _run("--out-dir", str(tmp_path / "plain"), script=PROFILE)
+        assert proc.returncode == 2 and "no CUDA device" in proc.stderr
