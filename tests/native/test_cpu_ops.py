@@ -6,6 +6,9 @@ graphs call the opaque operators through their C shims, not the dispatcher."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -77,6 +80,43 @@ def test_the_batch_1_projection_is_as_exact_as_blas(cpu_ops: object, k: int, n: 
     ours = (cpu_ops.linear_one_row(x, w, b).double() - exact).abs().max().item()
     blas = ((torch.addmm(b, x, w.t())).double() - exact).abs().max().item()
     assert ours <= 4 * blas + 1e-5
+
+
+# In a child process (the operator reads DECODEGRAPH_CPU_WEIGHTS_AHEAD once per process):
+# float32 batch-1 projections over rows of several lengths, as exact as BLAS, saved.
+_WEIGHTS_AHEAD = """
+import sys, torch
+from decodegraph.native import load_cpu_ops
+ops, outs = load_cpu_ops(), []
+for n, k in [(1001, 7), (1001, 344), (3, 4864), (257, 4865)]:
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    exact = x.double() @ w.double().t()
+    err = (ops.linear_one_row(x, w, None).double() - exact).abs().max().item()
+    assert err <= 4 * (torch.mm(x, w.t()).double() - exact).abs().max().item() + 1e-5
+    outs.append(ops.linear_one_row(x, w, None))
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_fetching_the_weights_ahead_or_not_gives_the_same_bits(
+    cpu_ops: object,
+    tmp_path,  # noqa: ANN001
+) -> None:
+    outs = []
+    for setting in ("0", "1"):
+        path = tmp_path / f"weights_ahead_{setting}.pt"
+        env = {**os.environ, "DECODEGRAPH_CPU_WEIGHTS_AHEAD": setting}
+        proc = subprocess.run(
+            [sys.executable, "-c", _WEIGHTS_AHEAD, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(torch.load(path))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
 
 
 @pytest.mark.parametrize("k", [1, 7, 16, 33, 40, 344, 345, 4864, 4865])

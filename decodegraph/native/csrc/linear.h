@@ -7,7 +7,8 @@
 // side, sharing each load of x, were slower on a large W: docs/performance.md), every
 // cache line of it fetched a little ahead in software. The hardware prefetcher alone
 // left the stream below a plain sum's rate on an Intel Xeon, where it stops at each
-// 4 KiB page (docs/performance.md).
+// 4 KiB page; on an AMD Zen 4 a float32 stream alone ran a tenth faster without the
+// fetches, but a model's batch-1 step did not measurably (docs/performance.md).
 //
 // bfloat16 weights (and bias, and output) are summed in float32 against a float32 x (the
 // caller widens a bf16 activation once per call): each bf16 product is exact in float32,
@@ -19,6 +20,7 @@
 
 #include <cstdint>
 
+#include "cpu_vendor.h"  // env_switch
 #include "vec.h"
 
 namespace decodegraph {
@@ -29,24 +31,33 @@ namespace decodegraph {
 // count).
 #define DG_ONE_COPY __attribute__((noinline))
 
-// How far ahead linear_one_row_f32 prefetches its weights, in values (2 KiB), and the
-// values of a 64-byte cache line: each iteration fetches every line of the block that
-// far ahead (past the row's end into the next rows, which follow it in memory, and past
-// the last row's end too: a prefetch never faults).
+// How far ahead linear_one_row_f32 prefetches its weights where it does, in values (2
+// KiB), and the values of a 64-byte cache line: each iteration fetches every line of the
+// block that far ahead (past the row's end into the next rows, which follow it in memory,
+// and past the last row's end too: a prefetch never faults).
 constexpr int64_t kF32PrefetchAhead = 512;
 constexpr int64_t kLineFloats = 16;
 static_assert((4 * kLanes) % kLineFloats == 0, "an iteration covers whole cache lines");
 
-DG_ONE_COPY inline void linear_one_row_f32(float* y, const float* x, const float* w,
-                                           const float* b, int64_t begin, int64_t end,
-                                           int64_t k) {
+// Whether linear_one_row_f32 fetches its weights ahead in software, decided once per
+// process: DECODEGRAPH_CPU_WEIGHTS_AHEAD=0 switches it off (to measure it on a CPU).
+inline bool fetch_weights_ahead() {
+    static const bool yes = env_switch("DECODEGRAPH_CPU_WEIGHTS_AHEAD", true);
+    return yes;
+}
+
+template <bool kFetch>
+DG_ONE_COPY void linear_one_row_f32_rows(float* y, const float* x, const float* w,
+                                         const float* b, int64_t begin, int64_t end,
+                                         int64_t k) {
     for (int64_t n = begin; n < end; n++) {
         const float* wn = w + n * k;
         Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
         int64_t i = 0;
         for (; i + 4 * kLanes <= k; i += 4 * kLanes) {
-            for (int64_t line = 0; line < 4 * kLanes; line += kLineFloats)
-                __builtin_prefetch(wn + i + kF32PrefetchAhead + line, 0, 3);
+            if constexpr (kFetch)
+                for (int64_t line = 0; line < 4 * kLanes; line += kLineFloats)
+                    __builtin_prefetch(wn + i + kF32PrefetchAhead + line, 0, 3);
             a0 = at::vec::fmadd(Vec::loadu(wn + i), Vec::loadu(x + i), a0);
             a1 = at::vec::fmadd(Vec::loadu(wn + i + kLanes), Vec::loadu(x + i + kLanes), a1);
             a2 = at::vec::fmadd(Vec::loadu(wn + i + 2 * kLanes), Vec::loadu(x + i + 2 * kLanes),
@@ -61,6 +72,15 @@ DG_ONE_COPY inline void linear_one_row_f32(float* y, const float* x, const float
             s += wn[i] * x[i];
         y[n] = s + (b ? b[n] : 0.f);
     }
+}
+
+// Both variants sum in the same order: the fetches change the time, never the bits.
+inline void linear_one_row_f32(float* y, const float* x, const float* w, const float* b,
+                               int64_t begin, int64_t end, int64_t k) {
+    if (fetch_weights_ahead())
+        linear_one_row_f32_rows<true>(y, x, w, b, begin, end, k);
+    else
+        linear_one_row_f32_rows<false>(y, x, w, b, begin, end, k);
 }
 
 // A bf16 row read as 32-bit words, each two neighbouring values (little-endian: the

@@ -44,11 +44,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_vendor.h"
 #include "vec.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
 
 namespace decodegraph {
 
@@ -604,23 +601,7 @@ constexpr int64_t kRowsAhead = 4;
 // a burst; Intel cores keep it off until that is measured there. The next KV head's tiles
 // are fetched into L1 either way.
 inline bool fetch_rows_ahead() {
-    static const bool yes = [] {
-        const char* env = std::getenv("DECODEGRAPH_CPU_ROWS_AHEAD");
-        if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0')
-            return env[0] == '1';
-#if defined(__x86_64__) || defined(__i386__)
-        unsigned int eax = 0, ebx = 0, ecx = 0, edx = 0;
-        if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
-            char vendor[13];
-            std::memcpy(vendor, &ebx, 4);
-            std::memcpy(vendor + 4, &edx, 4);
-            std::memcpy(vendor + 8, &ecx, 4);
-            vendor[12] = '\0';
-            return std::strcmp(vendor, "GenuineIntel") != 0;
-        }
-#endif
-        return true;
-    }();
+    static const bool yes = env_switch("DECODEGRAPH_CPU_ROWS_AHEAD", !cpu_is_intel());
     return yes;
 }
 
