@@ -1,7 +1,8 @@
 """Where a batch-1 decode step goes on a CUDA GPU, for the 1B shape of gpu_check.py:
 
 1. the replayed full graph's own device time (replays back to back, CUDA events), beside
-   the whole step and the bandwidth floor;
+   the whole step and the bandwidth floor, and both again with the layers in torch ops
+   rather than their fused Triton kernels (layers/triton_ops.py);
 2. each weight's projection alone (torch's matmul at one row, as the model calls it),
    its time and the bandwidth it reaches: what the floor can be on this GPU;
 3. the kernels of a replayed step (torch.profiler), largest first;
@@ -19,6 +20,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import random
 import statistics
@@ -103,6 +105,24 @@ def projections(llm: LLM, shapes: Shapes, bandwidth_gbs: float) -> list[dict[str
     return rows
 
 
+def torch_ops_graph(shapes: Shapes) -> dict[str, Any]:
+    """The same graph and step with the layers in torch ops instead of the fused Triton
+    kernels (DECODEGRAPH_CUDA_FUSED_OPS=0), for the difference they make."""
+    from decodegraph.layers import triton_ops
+
+    os.environ["DECODEGRAPH_CUDA_FUSED_OPS"] = "0"
+    triton_ops._enabled.cache_clear()
+    try:
+        llm = big_engine(shapes, "FULL_DECODE_ONLY", shapes.backends[0], shapes.batches)
+        start_decoding(llm, shapes.contexts[0], "torch-ops")
+        row = graph_replay_ms(llm, shapes)
+        row["step_ms"] = round(timed(llm.llm_engine.step, shapes, 30), 4)
+        return row
+    finally:
+        del os.environ["DECODEGRAPH_CUDA_FUSED_OPS"]
+        triton_ops._enabled.cache_clear()
+
+
 def kernel_table(llm: LLM, shapes: Shapes, steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
@@ -166,6 +186,7 @@ def main() -> int:
     (out / "gpu_profile_kernels.txt").write_text(table)
     print(table, flush=True)
     del full
+    save("full_graph_torch_ops", torch_ops_graph(shapes))
     none = big_engine(shapes, "NONE", backend, shapes.batches)
     start_decoding(none, shapes.contexts[0], "none")
     save("none_step_ms", round(timed(none.llm_engine.step, shapes, 10), 4))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodegraph.layers.triton_ops import cuda_ops_for
 from decodegraph.native import cpu_ops_for
 
 
@@ -13,8 +14,8 @@ class SiluAndMul(nn.Module):
     """`silu(x[..., :d]) * x[..., d:]` for the output of a stacked gate_up projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_ops_for(x) if x.dim() == 2 else None
-        if ops is not None:  # one pass (graph traces decompose it again)
+        ops = (cpu_ops_for(x) or cuda_ops_for(x)) if x.dim() == 2 else None
+        if ops is not None:  # one pass (CPU graph traces decompose it again)
             return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

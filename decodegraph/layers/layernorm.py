@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodegraph.layers.triton_ops import cuda_ops_for
 from decodegraph.native import cpu_ops_for
 
 
@@ -27,8 +28,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = cpu_ops_for(x) if x.dim() == 2 else None
-        if ops is not None:  # one pass per row (graph traces decompose it again)
+        ops = (cpu_ops_for(x) or cuda_ops_for(x)) if x.dim() == 2 else None
+        if ops is not None:  # one pass per row (CPU graph traces decompose it again)
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.variance_epsilon)
             return ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)

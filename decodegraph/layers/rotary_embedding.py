@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from decodegraph.layers.triton_ops import cuda_ops_for
 from decodegraph.native import cpu_ops_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -126,9 +127,10 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
     `sin` carries the sign of rotate-half in its first half, so rotate-half is a single
     roll (one op, no negation, no concatenation). On CPU in float32 this is one native
-    operator with the same arithmetic (graph traces decompose it again).
+    operator with the same arithmetic (graph traces decompose it again), on CUDA one
+    Triton kernel (layers/triton_ops.py).
     """
-    ops = cpu_ops_for(x)
+    ops = cpu_ops_for(x) or cuda_ops_for(x)
     if ops is not None:
         return ops.rotary_embedding(x, cos, sin)
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
