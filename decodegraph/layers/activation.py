@@ -6,15 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodegraph.layers.triton_ops import cuda_ops_for
-from decodegraph.native import cpu_ops_for
+from decodegraph.layers.triton_ops import fused_ops_for
 
 
 class SiluAndMul(nn.Module):
     """`silu(x[..., :d]) * x[..., d:]` for the output of a stacked gate_up projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = (cpu_ops_for(x) or cuda_ops_for(x)) if x.dim() == 2 else None
+        ops = fused_ops_for(x) if x.dim() == 2 else None
         if ops is not None:  # one pass (CPU graph traces decompose it again)
             return ops.silu_and_mul(x)
         d = x.shape[-1] // 2

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decodegraph.layers.triton_ops import cuda_ops_for
-from decodegraph.native import cpu_ops_for
+from decodegraph.layers.triton_ops import fused_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +27,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = (cpu_ops_for(x) or cuda_ops_for(x)) if x.dim() == 2 else None
+        ops = fused_ops_for(x) if x.dim() == 2 else None
         if ops is not None:  # one pass per row (CPU graph traces decompose it again)
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.variance_epsilon)

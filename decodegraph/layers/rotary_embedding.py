@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from decodegraph.layers.triton_ops import cuda_ops_for
-from decodegraph.native import cpu_ops_for
+from decodegraph.layers.triton_ops import fused_ops_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -130,7 +129,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     operator with the same arithmetic (graph traces decompose it again), on CUDA one
     Triton kernel (layers/triton_ops.py).
     """
-    ops = cpu_ops_for(x) or cuda_ops_for(x)
+    ops = fused_ops_for(x)
     if ops is not None:
         return ops.rotary_embedding(x, cos, sin)
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin

@@ -10,9 +10,9 @@ rounds the sum to that dtype first, as the separate add does, since that sum is 
 residual stream the next layer reads.
 
 The kernels are torch custom ops (`torch.ops.decodegraph_cuda.*`) so that graph traces
-(make_fx, for piecewise graphs) record them as calls. `cuda_ops_for(x)` hands the layers
-this module where it applies: a CUDA tensor, triton installed, and
-DECODEGRAPH_CUDA_FUSED_OPS not "0". The launchers (`launch_*`) take CPU tensors too, for
+(make_fx, for piecewise graphs) record them as calls. The layers ask `fused_ops_for(x)`:
+the CPU operators, else these kernels where they apply (a CUDA tensor, triton installed,
+DECODEGRAPH_CUDA_FUSED_OPS not "0"). The launchers (`launch_*`) take CPU tensors too, for
 Triton's interpreter (tests/layers/test_triton_ops.py).
 """
 
@@ -22,6 +22,8 @@ import os
 from functools import cache
 
 import torch
+
+from decodegraph.native import cpu_ops_for
 
 try:
     import triton
@@ -224,3 +226,9 @@ def cuda_ops_for(x: torch.Tensor) -> object | None:
     if x.device.type != "cuda" or x.dtype not in _DTYPES or not _enabled():
         return None
     return _register()
+
+
+def fused_ops_for(x: torch.Tensor) -> object | None:
+    """The fused norm, rotary and activation ops for `x`'s device: decodegraph's CPU
+    operators (float32 on the CPU), these Triton kernels (CUDA), else None (torch ops)."""
+    return cpu_ops_for(x) or cuda_ops_for(x)

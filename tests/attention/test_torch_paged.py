@@ -7,7 +7,6 @@ softmax(q k^T * scale) v over the request's dense K/V (causal, with the context 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from decodegraph.attention.backends.torch_paged import (
 from decodegraph.forward_context import EAGER_PARAMS_ID, ForwardContext, set_forward_context
 from decodegraph.native import load_cpu_ops
 from tests.utils.kv import changed_slots
+from tests.utils.native import outputs_under_settings
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 32
@@ -393,20 +393,8 @@ torch.save(out, sys.argv[1])
 
 def test_fetching_later_rows_ahead_or_not_gives_the_same_bits(tmp_path) -> None:  # noqa: ANN001
     require_native_op()
-    outs = []
-    for setting in ("0", "1"):
-        path = tmp_path / f"rows_ahead_{setting}.pt"
-        env = {**os.environ, "DECODEGRAPH_CPU_ROWS_AHEAD": setting}
-        proc = subprocess.run(
-            [sys.executable, "-c", _ROWS_AHEAD_STEP, str(path)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outs.append(torch.load(path))
-    assert torch.equal(outs[0], outs[1])
+    off, on = outputs_under_settings(_ROWS_AHEAD_STEP, "DECODEGRAPH_CPU_ROWS_AHEAD", tmp_path)
+    assert torch.equal(off, on)
 
 
 def test_each_layer_has_its_own_cache(kernel: str) -> None:

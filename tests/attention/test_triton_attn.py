@@ -10,10 +10,6 @@ which only that child gets on its PYTHONPATH.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,24 +17,12 @@ import torch
 
 from decodegraph.attention.backends.base import AttentionCGSupport
 from tests.utils.requests import greedy
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-TRITON_DIR = Path(__file__).resolve().parents[2] / ".triton"
+from tests.utils.triton import INTERPRETED, run_interpreted
 
 if not INTERPRETED:
 
     def test_triton_kernels_in_the_interpreter() -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        if importlib.util.find_spec("triton") is None:
-            if not (TRITON_DIR / "triton").is_dir():
-                pytest.skip("triton is neither installed nor in .triton/ (run `make setup`)")
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(TRITON_DIR), env.get("PYTHONPATH", "")) if p
-            )
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-        assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+        run_interpreted(__file__)
 
 else:
     import numpy as np

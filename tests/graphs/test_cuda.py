@@ -3,6 +3,7 @@ padded rows, address checks and capture closing. Skipped where no NVIDIA GPU is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -49,6 +50,16 @@ GRAPHS_PER_SIZE = {
 GREEDY = greedy(12)
 
 
+@contextlib.contextmanager
+def attention_backend(name: str) -> Iterator[None]:
+    """Engines built inside take attention backend `name` (the selector's variable)."""
+    os.environ[ENV_VAR] = name
+    try:
+        yield
+    finally:
+        del os.environ[ENV_VAR]
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
@@ -63,11 +74,8 @@ def engine(
 
     def get(mode: str) -> LLM:
         if mode not in cache:
-            os.environ[ENV_VAR] = backend
-            try:
+            with attention_backend(backend):
                 cache[mode] = _new_llm(path, mode)
-            finally:
-                del os.environ[ENV_VAR]
             assert cache[mode].llm_engine.runner.attn_backend.name == backend
         return cache[mode]
 
@@ -259,8 +267,7 @@ def test_bf16_graphs_agree_with_eager_within_logprob_tolerance(
     prompts = _prompts(6, seed=9)
     outs = {}
     for m in ("NONE", mode):
-        os.environ[ENV_VAR] = backend
-        try:
+        with attention_backend(backend):
             llm = LLM(
                 str(path),
                 device="cuda",
@@ -271,8 +278,6 @@ def test_bf16_graphs_agree_with_eager_within_logprob_tolerance(
                 max_num_seqs=16,
                 kv_cache_memory_bytes=16 << 20,
             )
-        finally:
-            del os.environ[ENV_VAR]
         result = llm.generate(prompts, params, use_tqdm=False)
         outs[m] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in result]
         del llm
@@ -289,8 +294,7 @@ def test_the_bundled_model_tells_the_published_story(
 ) -> None:
     from tests.conftest import STORIES_GREEDY_TEXT
 
-    os.environ[ENV_VAR] = backend
-    try:
+    with attention_backend(backend):
         llm = LLM(
             str(stories_dir),
             device="cuda",
@@ -299,8 +303,6 @@ def test_the_bundled_model_tells_the_published_story(
             max_model_len=128,
             kv_cache_memory_bytes=16 << 20,
         )
-    finally:
-        del os.environ[ENV_VAR]
     # The story four times in one batch, beside prompts of other lengths.
     prompts = [[1]] * 4 + _prompts(3, seed=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(61), use_tqdm=False)

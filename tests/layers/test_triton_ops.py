@@ -1,22 +1,18 @@
 """The CUDA layers' Triton kernels (layers/triton_ops.py) against the torch-op formulas
-they replace: in Triton's interpreter on the CPU (a child pytest, as in
-tests/attention/test_triton_attn.py), and compiled on a GPU where one is present."""
+they replace: in Triton's interpreter on the CPU (a child pytest, tests/utils/triton.py),
+and compiled on a GPU where one is present."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-TRITON_DIR = Path(__file__).resolve().parents[2] / ".triton"
+from tests.utils.triton import INTERPRETED, run_interpreted
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -73,17 +69,7 @@ def check_all(ops: dict[str, Callable], device: str, dtype: torch.dtype) -> None
 if not INTERPRETED:
 
     def test_the_kernels_in_the_interpreter() -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        if not HAS_TRITON:
-            if not (TRITON_DIR / "triton").is_dir():
-                pytest.skip("triton is neither installed nor in .triton/ (run `make setup`)")
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(TRITON_DIR), env.get("PYTHONPATH", "")) if p
-            )
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-        assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+        run_interpreted(__file__, timeout=600)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

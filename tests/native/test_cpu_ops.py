@@ -6,13 +6,12 @@ graphs call the opaque operators through their C shims, not the dispatcher."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
 import torch
+
+from tests.utils.native import outputs_under_settings
 
 
 def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
@@ -103,20 +102,8 @@ def test_fetching_the_weights_ahead_or_not_gives_the_same_bits(
     cpu_ops: object,
     tmp_path,  # noqa: ANN001
 ) -> None:
-    outs = []
-    for setting in ("0", "1"):
-        path = tmp_path / f"weights_ahead_{setting}.pt"
-        env = {**os.environ, "DECODEGRAPH_CPU_WEIGHTS_AHEAD": setting}
-        proc = subprocess.run(
-            [sys.executable, "-c", _WEIGHTS_AHEAD, str(path)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outs.append(torch.load(path))
-    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    off, on = outputs_under_settings(_WEIGHTS_AHEAD, "DECODEGRAPH_CPU_WEIGHTS_AHEAD", tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
 
 
 @pytest.mark.parametrize("k", [1, 7, 16, 33, 40, 344, 345, 4864, 4865])

@@ -32,3 +32,24 @@ def start_pytest_with_isa(
     cmd += ["-k", selector]
     with log.open("w") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def outputs_under_settings(script: str, var: str, tmp_path: Path) -> list:
+    """Run `script` (`python -c`; it torch.saves its result to sys.argv[1]) in a child
+    process with the environment variable `var` at "0", then at "1" (an operator reads
+    such a switch once per process): the two results, loaded."""
+    import torch
+
+    outs = []
+    for setting in ("0", "1"):
+        path = tmp_path / f"{var.lower()}_{setting}.pt"
+        proc = subprocess.run(
+            [sys.executable, "-c", script, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, var: setting},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(torch.load(path))
+    return outs
