@@ -128,9 +128,9 @@ def start_inductor_compile(
     loaded = _load_indexed(key, args, spec, options)
     if loaded is not None:
         logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        fn, outputs = loaded
+        fn, outputs, bind_checked = loaded
         last_run = (inputs, outputs) if bind_next else None
-        return _Compiled(_FlatCall(fn, constants, spec, tensor_inputs, last_run))
+        return _Compiled(_FlatCall(fn, constants, spec, tensor_inputs, last_run, key, bind_checked))
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
@@ -175,13 +175,16 @@ def start_inductor_compile(
                     # around it only records metrics and closes compile-time caches).
                     fast = getattr(inner[0], "current_callable", None) or inner[0]
                     module_key = getattr(inner[0], "cache_key", None)
-                    if isinstance(module_key, str) and fast is not inner[0]:
+                    indexed = isinstance(module_key, str) and fast is not inner[0]
+                    if indexed:
                         cpu_graph_cache.save(key, module_key)
                     logger.debug(
                         "graph of %d inputs: calling Inductor's function directly", len(args)
                     )
                     last_run = (inputs, got) if bind_next else None
-                    return _FlatCall(fast, constants, spec, tensor_inputs, last_run)
+                    return _FlatCall(
+                        fast, constants, spec, tensor_inputs, last_run, key if indexed else None
+                    )
         logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
         return lambda *xs: wrapped(*xs, *constants)
 
@@ -210,7 +213,11 @@ class _FlatCall:
     `last_run`: (inputs, the output leaves) of the plain call just made over them at the
     compile or the index load, which the first bind over the same inputs checks against
     instead of calling again (a whole forward of the model); bind at once, before
-    anything writes into those inputs."""
+    anything writes into those inputs.
+
+    `index_key`: the graph's compiled-graph index entry, where it has one; a bound entry
+    that passes its check is recorded there (`bind_checked`), and a later process
+    binding the same module binds without the check's two forwards."""
 
     def __init__(
         self,
@@ -219,6 +226,8 @@ class _FlatCall:
         spec: pytree.TreeSpec,
         tensor_inputs: bool,
         last_run: tuple[Sequence[torch.Tensor], list] | None = None,
+        index_key: str | None = None,
+        bind_checked: bool = False,
     ) -> None:
         self._fn = fn
         self._direct = entry_call(fn) if tensor_inputs else fn
@@ -226,6 +235,8 @@ class _FlatCall:
         self._spec = spec
         self._tensor_inputs = tensor_inputs
         self._last_run = last_run
+        self._index_key = index_key
+        self._bind_checked = bind_checked
 
     def __call__(self, *xs: torch.Tensor) -> object:
         return pytree.tree_unflatten(self._direct([*xs, *self._constants]), self._spec)
@@ -242,6 +253,9 @@ class _FlatCall:
         bound = bind_entry(self._fn, [*xs, *self._constants], spec.num_leaves)
         if bound is None:
             return plain
+        unflatten = _unflattener(spec)
+        if self._bind_checked:
+            return lambda: unflatten(bound())
         with torch.no_grad():
             if last_run is not None and _same_tensors(last_run[0], xs):
                 expected = last_run[1]
@@ -258,7 +272,8 @@ class _FlatCall:
         ):
             logger.warning("a graph's bound C++ entry gave other outputs; calling it plainly")
             return plain
-        unflatten = _unflattener(spec)
+        if self._index_key is not None:
+            cpu_graph_cache.mark_bind_checked(self._index_key)
         return lambda: unflatten(bound())
 
 
@@ -284,13 +299,14 @@ def _unflatten(leaves: list, spec: pytree.TreeSpec) -> object:
 
 def _load_indexed(
     key: str, args: list[torch.Tensor], spec: pytree.TreeSpec, options: dict[str, object]
-) -> tuple[Callable[[list], list], list] | None:
-    """The module the index holds for `key` and its outputs, once it has run over `args`
-    and returned what the graph returns; None (a miss) where there is none or it
-    fails."""
-    cached = cpu_graph_cache.load(key, options)
-    if cached is None:
+) -> tuple[Callable[[list], list], list, bool] | None:
+    """The module the index holds for `key`, its outputs once it has run over `args` and
+    returned what the graph returns, and whether its bound entry was checked; None (a
+    miss) where there is none or it fails."""
+    entry = cpu_graph_cache.load(key, options)
+    if entry is None:
         return None
+    cached = entry.call
     try:
         with torch.no_grad():
             got = cached(list(args))
@@ -298,7 +314,7 @@ def _load_indexed(
         logger.warning("compiled-graph entry %s failed (%s); compiling afresh", key, e)
         return None
     if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
-        return cached, list(got)
+        return cached, list(got), entry.bind_checked
     logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
     return None
 

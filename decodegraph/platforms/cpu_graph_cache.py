@@ -22,6 +22,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -114,15 +115,26 @@ def _entry_path(key: str) -> str:
     return os.path.join(cache_dir(), _DIR_NAME, f"{key}.json")
 
 
-def load(key: str, options: dict[str, object]) -> Callable[[list], list] | None:
-    """The compiled function (Inductor's `call`, taking one flat list of inputs) entered
-    under `key`, or None. Loads under `options`, so that the module finds the C++
-    library it was built with instead of building another."""
+class Entry(NamedTuple):
+    """What the index holds for a graph: its module's compiled function (Inductor's
+    `call`, taking one flat list of inputs), and whether that module's C++ entry,
+    bound to inputs of the graph's layout, gave the plain call's outputs (checked once,
+    in the process that entered it: the same module over the same layouts binds the
+    same way)."""
+
+    call: Callable[[list], list]
+    bind_checked: bool
+
+
+def load(key: str, options: dict[str, object]) -> Entry | None:
+    """The entry under `key`, or None. Loads under `options`, so that the module finds
+    the C++ library it was built with instead of building another."""
     path = _entry_path(key)
     try:
         with open(path) as f:
             entry = json.load(f)
         module_key = entry["module_key"]
+        bind_checked = bool(entry.get("bind_checked", False))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     import torch._inductor.config as inductor_config
@@ -138,14 +150,26 @@ def load(key: str, options: dict[str, object]) -> Callable[[list], list] | None:
         logger.warning("ignoring compiled-graph entry %s: %s", path, e)
         return None
     call = getattr(module, "call", None)
-    return call if callable(call) else None
+    return Entry(call, bind_checked) if callable(call) else None
 
 
-def save(key: str, module_key: str) -> None:
-    """Enter the Inductor module `module_key` (PyCodeCache's key) under `key`."""
+def save(key: str, module_key: str, bind_checked: bool = False) -> None:
+    """Enter the Inductor module `module_key` (PyCodeCache's key) under `key`; with
+    `bind_checked`, its bound C++ entry gave the plain call's outputs."""
     from torch._inductor.codecache import write_atomic
 
+    entry = {"module_key": module_key, "bind_checked": bind_checked}
     try:
-        write_atomic(_entry_path(key), json.dumps({"module_key": module_key}), make_dirs=True)
+        write_atomic(_entry_path(key), json.dumps(entry), make_dirs=True)
     except OSError as e:
         logger.debug("could not write compiled-graph entry: %s", e)
+
+
+def mark_bind_checked(key: str) -> None:
+    """Record in `key`'s entry that its bound C++ entry passed its check."""
+    try:
+        with open(_entry_path(key)) as f:
+            module_key = json.load(f)["module_key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    save(key, module_key, bind_checked=True)

@@ -280,7 +280,8 @@ def test_a_cached_module_that_fails_is_a_miss_not_a_failed_start(
     def broken(args: list) -> list:
         raise RuntimeError("stale module")
 
-    monkeypatch.setattr(cpu_graph.cpu_graph_cache, "load", lambda key, options: broken)
+    entry = cpu_graph.cpu_graph_cache.Entry(broken, bind_checked=True)
+    monkeypatch.setattr(cpu_graph.cpu_graph_cache, "load", lambda key, options: entry)
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     graph = CpuGraph("g", _affine, [x, w], use_inductor=True)
     torch.testing.assert_close(graph.replay(), _affine(x, w))
@@ -562,6 +563,42 @@ def test_binding_checks_against_the_run_just_made_not_another_forward(
     torch.testing.assert_close(cold.replay(), _affine(x, w))
     torch.testing.assert_close(warm.replay(), _affine(x, w))
     assert "calling it plainly" not in caplog.text
+
+
+def test_a_module_whose_bound_entry_passed_its_check_binds_unchecked_in_a_later_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check of a bound entry (a forward of the bound entry beside the plain one)
+    runs once per module: the index records it, and a warm start that loads the module
+    binds it without running it, then replays right."""
+    from torch._inductor.utils import fresh_cache
+
+    from decodegraph.platforms import cpu_graph
+
+    bound_runs: list[int] = []
+    original = cpu_graph.bind_entry
+
+    def counted(*args: object) -> object:
+        bound = original(*args)
+        if bound is None:
+            return None
+
+        def call() -> list:
+            bound_runs.append(1)
+            return bound()
+
+        return call
+
+    monkeypatch.setattr(cpu_graph, "bind_entry", counted)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with fresh_cache():
+        CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
+        assert bound_runs == [1]  # the check, at the cold compile
+        warm = CpuGraph("g", _affine, [x, w], True, _CPP_WRAPPER)
+    assert bound_runs == [1]
+    x.copy_(torch.randn(4, 8))
+    torch.testing.assert_close(warm.replay(), _affine(x, w))
+    assert bound_runs == [1, 1]
 
 
 def test_a_bind_over_other_inputs_checks_against_a_plain_call_of_them(
