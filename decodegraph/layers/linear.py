@@ -91,6 +91,22 @@ def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
 _ONE_ROW_MIN_NUMEL = 1 << 16
 
 
+# At most this many rows go through the CPU operators' few-rows product (a small decode
+# batch: the default CPU graphs' 4 and 8 rows, or fewer); more go to BLAS.
+FEW_ROWS_MAX = 8
+
+
+def few_rows_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """`f(x [m, k], weight [n, k], bias | None) -> [m, n]` for 2 <= m <= FEW_ROWS_MAX,
+    the CPU operators' few-rows product, where it applies to `weight` (float32 on CPU,
+    operators built, at least _ONE_ROW_MIN_NUMEL values): it reads the weight once for
+    all the rows, where BLAS repacks it on every call at so few rows and reads it at a
+    fraction of the bandwidth (docs/performance.md). None elsewhere: mm."""
+    if weight.dtype != torch.float32 or one_row_linear(weight) is None:
+        return None
+    return load_cpu_ops().linear_few_rows
+
+
 def one_row_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """`f(x [1, k], weight [n, k], bias | None) -> [1, n]`, the CPU operators' batch-1
     projection, where it applies to `weight` (float32 or bfloat16 on CPU, operators built,
@@ -118,24 +134,31 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         # weight.t(), a view set once the weights are loaded (None before).
         self.weight_t: torch.Tensor | None = None
-        # The batch-1 projection (one_row_linear), set once the weights are loaded.
+        # The batch-1 and few-rows projections (one_row_linear, few_rows_linear), set
+        # once the weights are loaded.
         self.one_row: Callable[..., torch.Tensor] | None = None
+        self.few_rows: Callable[..., torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         self.weight_t = self.weight.t()
         self.one_row = one_row_linear(self.weight)
+        self.few_rows = few_rows_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.bias)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x W^T (+ bias)` by the cheapest call: one mm or addmm on the weight's
-        transposed view, the batch-1 operator for one row, F.linear before loading."""
+        transposed view, the batch-1 operator for one row and the few-rows one for up to
+        FEW_ROWS_MAX, F.linear before loading."""
         weight_t = self.weight_t
         if weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, bias)
-        if self.one_row is not None and x.shape[0] == 1:
+        rows = x.shape[0]
+        if self.one_row is not None and rows == 1:
             return self.one_row(x, self.weight, bias)
+        if self.few_rows is not None and 1 < rows <= FEW_ROWS_MAX:
+            return self.few_rows(x, self.weight, bias)
         if bias is None:
             return torch.mm(x, weight_t)
         return torch.addmm(bias, x, weight_t)

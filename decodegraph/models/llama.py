@@ -24,11 +24,13 @@ from decodegraph.distributed.parallel_state import get_tensor_model_parallel_wor
 from decodegraph.layers.activation import get_act_and_mul_fn
 from decodegraph.layers.layernorm import RMSNorm
 from decodegraph.layers.linear import (
+    FEW_ROWS_MAX,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     attention_heads_per_rank,
     divide,
+    few_rows_linear,
     one_row_linear,
 )
 from decodegraph.layers.rotary_embedding import apply_rotary_emb, get_rope, get_rope_parameters
@@ -220,8 +222,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(
             getattr(hf_config, "tie_word_embeddings", self.tie_word_embeddings_default)
         )
-        # The batch-1 LM head projection (one_row_linear), set once the weights are loaded.
-        self.logits_one_row = None
+        # The LM head's batch-1 and few-rows projections (one_row_linear,
+        # few_rows_linear), set once the weights are loaded.
+        self.logits_one_row = self.logits_few_rows = None
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
@@ -240,12 +243,16 @@ class LlamaForCausalLM(nn.Module):
     def process_weights_after_loading(self) -> None:
         # The LM head is the largest matrix a decode step reads (the embedding's, when tied).
         self.logits_one_row = one_row_linear(self.lm_head.weight)
+        self.logits_few_rows = few_rows_linear(self.lm_head.weight)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden states [N, hidden]."""
-        one_row = self.logits_one_row
-        if one_row is not None and hidden_states.dim() == 2 and hidden_states.shape[0] == 1:
+        one_row, few_rows = self.logits_one_row, self.logits_few_rows
+        rows = hidden_states.shape[0] if hidden_states.dim() == 2 else 0
+        if one_row is not None and rows == 1:
             logits = one_row(hidden_states, self.lm_head.weight, None)
+        elif few_rows is not None and 1 < rows <= FEW_ROWS_MAX:
+            logits = few_rows(hidden_states, self.lm_head.weight, None)
         else:
             logits = torch.nn.functional.linear(hidden_states, self.lm_head.weight)
         if self.lm_head.tp_size > 1:  # this rank's vocabulary slice: gather the others'

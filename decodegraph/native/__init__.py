@@ -14,7 +14,9 @@
 - `decodegraph_cpu::linear_one_row` (csrc/linear.h): one row times a float32 or bfloat16
   weight (bf16 summed in float32), its output rows split over the intra-op threads:
   BLAS's one-row product reads the weights on one thread (layers/linear.py uses it at
-  batch 1).
+  batch 1). `linear_few_rows` (the same file): two to eight float32 rows, reading the
+  weight once for all of them, where BLAS repacks it on every call at so few rows
+  (layers/linear.py uses it for small decode batches).
 - `decodegraph_cpu::shm_all_reduce` and `shm_all_gather` (csrc/shm_all_reduce.h): the
   tensor-parallel collectives between the ranks of one host through shared memory, set
   up by decodegraph/distributed/shm_all_reduce.py; a gloo all-reduce over loopback costs
@@ -186,6 +188,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("decodegraph_cpu::linear_one_row")
     def _(x, weight, bias):  # noqa: ANN001, ANN202
         return x.new_empty((1, weight.shape[0]))
+
+    @torch.library.register_fake("decodegraph_cpu::linear_few_rows")
+    def _(x, weight, bias):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0], weight.shape[0]))
 
     @torch.library.register_fake("decodegraph_cpu::shm_all_reduce")
     def _(x, handle):  # noqa: ANN001, ANN202
@@ -363,6 +369,10 @@ C_SHIMS = {
     ),
     "linear_one_row": (
         f"AOTITorchError aoti_torch_cpu_linear_one_row({_H} x, {_H} weight, {_H}* bias, {_H}* ret0)"
+    ),
+    "linear_few_rows": (
+        f"AOTITorchError aoti_torch_cpu_linear_few_rows({_H} x, {_H} weight, {_H}* bias, "
+        f"{_H}* ret0)"
     ),
     "shm_all_reduce": (
         f"AOTITorchError aoti_torch_cpu_shm_all_reduce({_H} x, int64_t handle, {_H}* ret0)"

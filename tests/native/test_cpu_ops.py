@@ -27,6 +27,7 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
     return {
         "linear_one_row": lambda: cpu_ops.linear_one_row(wide[:1, :344], weight, bias),
         "linear_one_row_bf16": lambda: cpu_ops.linear_one_row(wide16[:1, :344], weight16, bias16),
+        "linear_few_rows": lambda: cpu_ops.linear_few_rows(wide[:5, :344], weight, bias),
         "silu_and_mul": lambda: cpu_ops.silu_and_mul(wide[:, : 2 * 344]),
         "rms_norm": lambda: cpu_ops.rms_norm(x, w, 1e-5),
         "fused_add_rms_norm": lambda: cpu_ops.fused_add_rms_norm(x, res, w, 1e-5),
@@ -39,6 +40,7 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
     [
         "linear_one_row",
         "linear_one_row_bf16",
+        "linear_few_rows",
         "silu_and_mul",
         "rms_norm",
         "fused_add_rms_norm",
@@ -164,6 +166,81 @@ def test_the_batch_1_projection_refuses_mixed_dtypes_and_more_rows(cpu_ops: obje
     ):
         with pytest.raises(RuntimeError, match="linear_one_row"):
             cpu_ops.linear_one_row(*args)
+
+
+@pytest.mark.parametrize("m", [2, 3, 5, 8])
+@pytest.mark.parametrize("k", [7, 16, 344, 4865])
+@pytest.mark.parametrize("n", [1, 3, 5, 1001])
+def test_the_few_rows_product_is_as_exact_as_blas(cpu_ops: object, m: int, k: int, n: int) -> None:
+    """Against a float64 product: no further from it than four times BLAS's error, bias
+    included, for every row count, weight row count (whole groups of rows and the rest)
+    and length (whole vectors and a tail)."""
+    gen = torch.Generator().manual_seed(m * 1000 + k * 7 + n)
+    x, w, b = (
+        torch.randn(m, k, generator=gen),
+        torch.randn(n, k, generator=gen),
+        torch.randn(n, generator=gen),
+    )
+    exact = x.double() @ w.double().t() + b.double()
+    got = cpu_ops.linear_few_rows(x, w, b)
+    assert got.shape == (m, n)
+    ours = (got.double() - exact).abs().max().item()
+    blas = (torch.addmm(b, x, w.t()).double() - exact).abs().max().item()
+    assert ours <= 4 * blas + 1e-5
+
+
+def test_a_rows_few_rows_product_does_not_depend_on_the_other_rows(cpu_ops: object) -> None:
+    """Each output sums in an order set by k and the ISA alone: a decode batch padded to
+    a graph's row count gives its rows the bits they get unpadded."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(8, 344, generator=gen), torch.randn(1001, 344, generator=gen)
+    full = cpu_ops.linear_few_rows(x, w, None)
+    for m in range(2, 8):
+        assert torch.equal(cpu_ops.linear_few_rows(x[:m], w, None), full[:m])
+
+
+def test_the_few_rows_product_refuses_more_rows_and_other_dtypes(cpu_ops: object) -> None:
+    w = torch.randn(8, 16)
+    for args in (
+        (torch.randn(9, 16), w, None),  # eight rows at most
+        (torch.randn(2, 16).bfloat16(), w.bfloat16(), None),  # float32 only
+        (torch.randn(2, 16), w, torch.randn(7)),  # a bias per output
+    ):
+        with pytest.raises(RuntimeError, match="linear_few_rows"):
+            cpu_ops.linear_few_rows(*args)
+
+
+def test_layers_take_the_few_rows_product_for_small_batches_in_eager_steps_and_in_graphs(
+    cpu_ops: object,
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    layer = _loaded_layer(torch.float32, 256, 384)
+    gen = torch.Generator().manual_seed(0)
+    for m in (2, 4, 8):
+        x = torch.randn(m, 256, generator=gen)
+        assert torch.equal(layer(x), cpu_ops.linear_few_rows(x, layer.weight, layer.bias))
+        # (Exactness against float64: test_the_few_rows_product_is_as_exact_as_blas.)
+        torch.testing.assert_close(
+            layer(x), torch.addmm(layer.bias, x, layer.weight.t()), atol=1e-4, rtol=1e-4
+        )
+    assert any("linear_few_rows" in str(n.target) for n in make_fx(layer)(x).graph.nodes)
+    nine = make_fx(layer)(torch.randn(9, 256)).graph.nodes
+    assert not any("linear_few_rows" in str(n.target) for n in nine)  # more rows: mm
+    assert _loaded_layer(torch.float32, 64, 96).few_rows is None  # under 64Ki values: mm
+    assert _loaded_layer(torch.bfloat16, 256, 384).few_rows is None  # bfloat16: mm
+
+
+def test_an_inductor_graph_calls_the_few_rows_product_through_its_c_shim(
+    cpu_ops: object,
+) -> None:
+    layer = _loaded_layer(torch.float32, 256, 384)
+    x = torch.randn(4, 256)
+    graph, code = _compiled_with_platform_options(layer, [x])
+    assert "aoti_torch_cpu_linear_few_rows(" in code
+    assert "aoti_torch_call_dispatcher" not in code
+    x.copy_(torch.randn(4, 256))
+    assert torch.equal(graph.replay(), cpu_ops.linear_few_rows(x, layer.weight, layer.bias))
 
 
 def _loaded_layer(dtype: torch.dtype, input_size: int, output_size: int) -> torch.nn.Module:

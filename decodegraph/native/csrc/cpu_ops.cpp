@@ -343,6 +343,33 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
     return out;
 }
 
+// x [m, k] (2 <= m <= kMaxFewRows) times a row-major float32 weight [n, k] (csrc/linear.h).
+at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                    x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxFewRows &&
+                    weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+                "linear_few_rows: a float32 x [m, k], 1 <= m <= 8, and a contiguous float32 "
+                "weight [n, k]");
+    const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
+    if (bias.has_value())
+        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                        bias->numel() == n,
+                    "linear_few_rows: a contiguous float32 bias [n]");
+    const at::Tensor xc = x.contiguous();
+    if (m == 1)
+        return linear_one_row(xc, weight, bias);
+    auto out = x.new_empty({m, n});
+    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    float* y = out.data_ptr<float>();
+    const float *xp = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+        linear_few_rows_f32(y, xp, w, b, m, begin, end, k, n);
+    });
+    return out;
+}
+
 std::string vector_isa_op() { return vector_isa(); }
 
 void cpu_allocator_install(int64_t cap_bytes) {
@@ -393,6 +420,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor");
     m.def("silu_and_mul(Tensor x) -> Tensor");
     m.def("linear_one_row(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
           "Tensor v_cache, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
           "Tensor seq_lens, Tensor num_reqs, float scale, Tensor workspace) -> Tensor");
@@ -425,6 +453,7 @@ TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
     m.impl("linear_one_row", &linear_one_row);
+    m.impl("linear_few_rows", &linear_few_rows);
     m.impl("shm_all_reduce", &decodegraph::shm_all_reduce);
     m.impl("shm_all_gather", &decodegraph::shm_all_gather);
 }
@@ -475,6 +504,15 @@ AOTITorchError decodegraph_shim_linear_one_row(AtenTensorHandle x, AtenTensorHan
         const std::optional<at::Tensor> b =
             bias == nullptr ? std::nullopt : std::optional<at::Tensor>(of(*bias));
         *ret0 = torch::aot_inductor::new_tensor_handle(linear_one_row(of(x), of(weight), b));
+    });
+}
+
+AOTITorchError decodegraph_shim_linear_few_rows(AtenTensorHandle x, AtenTensorHandle weight,
+                                                AtenTensorHandle* bias, AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        const std::optional<at::Tensor> b =
+            bias == nullptr ? std::nullopt : std::optional<at::Tensor>(of(*bias));
+        *ret0 = torch::aot_inductor::new_tensor_handle(linear_few_rows(of(x), of(weight), b));
     });
 }
 

@@ -19,6 +19,7 @@
 #define DECODEGRAPH_LINEAR_H
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_vendor.h"  // env_switch
 #include "vec.h"
@@ -81,6 +82,87 @@ inline void linear_one_row_f32(float* y, const float* x, const float* w, const f
         linear_one_row_f32_rows<true>(y, x, w, b, begin, end, k);
     else
         linear_one_row_f32_rows<false>(y, x, w, b, begin, end, k);
+}
+
+// A few rows times a matrix: y[m, n] = dot(x[m], W[n]) (+ b[n]) for x [M, k] and a
+// row-major W [n, k], over output columns [begin, end), M from 2 to kMaxFewRows. BLAS
+// packs W for each call at so few rows and reads it at a fraction of the bandwidth a
+// single stream reaches (docs/performance.md); here W is one sequential stream, read
+// once for all M rows: R of its rows at a time (R x M accumulators, at most 16), each
+// vector of W used by M fused multiply-adds against x's rows (from the core's caches).
+// Each of the R rows' streams is fetched ahead in software, past its end into the same
+// row of the next R (the rows of a group are short next to the fetch distance at small
+// hidden sizes, where only the hardware prefetcher saw the next group coming). Each
+// output is one accumulator's lanes over k, then their sum: its bits depend on k and the
+// ISA alone, not on M, R or the columns a thread was given.
+constexpr int64_t kMaxFewRows = 8;
+
+// One output of linear_few_rows_f32_block from its accumulator: the lanes' sum, the
+// values past the last whole vector, the bias. One copy for every block shape, so that
+// an output's bits do not depend on the shape that computed it (DG_ONE_COPY).
+DG_ONE_COPY inline float few_rows_output(const Vec& acc, const float* w_row, const float* x_row,
+                                         int64_t kv, int64_t k, float bias) {
+    float s = sum(acc);
+    for (int64_t i = kv; i < k; i++)
+        s += w_row[i] * x_row[i];
+    return s + bias;
+}
+
+template <int64_t M, int64_t R>
+DG_ONE_COPY void linear_few_rows_f32_block(float* y, const float* x, const float* w,
+                                           const float* b, int64_t begin, int64_t end,
+                                           int64_t k, int64_t n_total) {
+    static_assert(M * R <= 16, "accumulators for registers");
+    const int64_t kv = k - k % kLanes;
+    int64_t n = begin;
+    auto columns = [&](auto rows) DG_INLINE {
+        constexpr int64_t RR = decltype(rows)::value;
+        Vec acc[M * RR];
+        for (int64_t j = 0; j < M * RR; j++)
+            acc[j] = Vec(0.f);
+        const float* wn = w + n * k;
+        for (int64_t i = 0; i < kv; i += kLanes) {
+            if (i % kLineFloats == 0) {  // each row's stream ahead, into the next R rows
+                const int64_t ahead = i + kF32PrefetchAhead;
+                const float* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
+                for (int64_t r = 0; r < RR; r++)
+                    __builtin_prefetch(p + r * k, 0, 3);
+            }
+            Vec wr[RR];
+            for (int64_t r = 0; r < RR; r++)
+                wr[r] = Vec::loadu(wn + r * k + i);
+            for (int64_t m = 0; m < M; m++) {
+                const Vec xm = Vec::loadu(x + m * k + i);
+                for (int64_t r = 0; r < RR; r++)
+                    acc[m * RR + r] = at::vec::fmadd(wr[r], xm, acc[m * RR + r]);
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t r = 0; r < RR; r++)
+                y[m * n_total + n + r] = few_rows_output(acc[m * RR + r], wn + r * k, x + m * k,
+                                                         kv, k, b ? b[n + r] : 0.f);
+        n += RR;
+    };
+    while (n + R <= end)
+        columns(std::integral_constant<int64_t, R>{});
+    while (n < end)
+        columns(std::integral_constant<int64_t, 1>{});
+}
+
+// linear_few_rows_f32_block for `m` rows (2 <= m <= kMaxFewRows): four weight rows at a
+// time up to four rows of x, two above (16 accumulators at most).
+inline void linear_few_rows_f32(float* y, const float* x, const float* w, const float* b,
+                                int64_t m, int64_t begin, int64_t end, int64_t k,
+                                int64_t n_total) {
+    switch (m) {
+    case 2: return linear_few_rows_f32_block<2, 4>(y, x, w, b, begin, end, k, n_total);
+    case 3: return linear_few_rows_f32_block<3, 4>(y, x, w, b, begin, end, k, n_total);
+    case 4: return linear_few_rows_f32_block<4, 4>(y, x, w, b, begin, end, k, n_total);
+    case 5: return linear_few_rows_f32_block<5, 2>(y, x, w, b, begin, end, k, n_total);
+    case 6: return linear_few_rows_f32_block<6, 2>(y, x, w, b, begin, end, k, n_total);
+    case 7: return linear_few_rows_f32_block<7, 2>(y, x, w, b, begin, end, k, n_total);
+    default: return linear_few_rows_f32_block<8, 2>(y, x, w, b, begin, end, k, n_total);
+    }
 }
 
 // A bf16 row read as 32-bit words, each two neighbouring values (little-endian: the

@@ -124,10 +124,6 @@ inline Vec soft_cap(const Vec& x, float cap) {
         return round_bf16(round_bf16(tanh(round_bf16(x / c))) * c);
 }
 
-// On the lambdas of a kernel's loops: inlined, so that their captures are the kernel's
-// own locals (an out-of-line call reloads each captured pointer after every vector store:
-// vector types may alias anything).
-#define DG_INLINE __attribute__((always_inline))
 
 // N vectors of storage, none constructed: each is written before it is read.
 template <int64_t N>

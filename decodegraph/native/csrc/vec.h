@@ -27,6 +27,11 @@ namespace decodegraph {
 
 using Vec = at::vec::Vectorized<float>;
 using VecI = at::vec::Vectorized<int32_t>;
+// On the lambdas of a kernel's loops: inlined, so that their captures are the kernel's
+// own locals (an out-of-line call reloads each captured pointer after every vector store:
+// vector types may alias anything).
+#define DG_INLINE __attribute__((always_inline))
+
 constexpr int64_t kLanes = Vec::size();
 
 // The vector code this library was built with, as decodegraph.native reports it.
