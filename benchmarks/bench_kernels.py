@@ -15,7 +15,9 @@ between the workers (one at a time, so no two compete for the cores). Variants:
 
 Per kernel: the median over --rounds rounds of the mean time of a call (after a warm-up),
 on Qwen2.5-0.5B's shapes (hidden 896, MLP 4864, 14 heads of 64 over 2 KV heads) and on
-stories260K's attention (8 heads of 8 over 4), at batch 1 and batch 64. End to end: the
+stories260K's attention (8 heads of 8 over 4), at batch 1 and batch 64; and the few-rows
+projection beside torch.mm at 2, 4 and 8 rows on the 0.5B's MLP weights, float32 and
+bfloat16. End to end: the
 bundled stories260K in FULL_DECODE_ONLY, one request of --tokens tokens from BOS per round
 (bench_decode.py's loop), tokens/s as one over the median decode step.
 
@@ -125,6 +127,20 @@ def _kernel_calls(ops: Any) -> dict[str, Any]:
         ),
         "attention d128 bs32 b1 ctx1024": _attention_call(ops, 1, 1024, 32, 8, 128, 32),
     }
+    # Small decode batches through Qwen2.5-0.5B's MLP weights (35 and 17 MB), three
+    # copies of each taken in turn so that each call reads its weight from memory, as
+    # a step does: the few-rows product against torch.mm (BLAS).
+    for (k, n), dtype in itertools.product(((896, 2 * 4864), (4864, 896)), (None, "bf16")):
+        to = torch.bfloat16 if dtype else torch.float32
+        weights = itertools.cycle([torch.randn(n, k, generator=gen).to(to) for _ in range(3)])
+        for rows in (2, 4, 8):
+            x = torch.randn(rows, k, generator=gen).to(to)
+            shape = f"{n}x{k}{' bf16' if dtype else ''} b{rows}"
+            if hasattr(ops, "linear_few_rows"):
+                calls[f"linear_few_rows {shape}"] = lambda x=x, ws=weights: ops.linear_few_rows(
+                    x, next(ws), None
+                )
+            calls[f"mm {shape}"] = lambda x=x, ws=weights: torch.mm(x, next(ws).t())
     for rows in (1, 64):
         x, res = torch.randn(rows, 896, generator=gen), torch.randn(rows, 896, generator=gen)
         w = torch.rand(896, generator=gen) + 0.5

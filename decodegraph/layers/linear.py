@@ -98,13 +98,12 @@ FEW_ROWS_MAX = 8
 
 def few_rows_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:
     """`f(x [m, k], weight [n, k], bias | None) -> [m, n]` for 2 <= m <= FEW_ROWS_MAX,
-    the CPU operators' few-rows product, where it applies to `weight` (float32 on CPU,
-    operators built, at least _ONE_ROW_MIN_NUMEL values): it reads the weight once for
-    all the rows, where BLAS repacks it on every call at so few rows and reads it at a
-    fraction of the bandwidth (docs/performance.md). None elsewhere: mm."""
-    if weight.dtype != torch.float32 or one_row_linear(weight) is None:
-        return None
-    return load_cpu_ops().linear_few_rows
+    the CPU operators' few-rows product, where the batch-1 one applies (one_row_linear:
+    float32 or bfloat16 on CPU, operators built, at least _ONE_ROW_MIN_NUMEL values): it
+    reads the weight once for all the rows, where BLAS repacks it on every call at so
+    few rows and reads it at a fraction of the bandwidth (docs/performance.md). None
+    elsewhere: mm."""
+    return None if one_row_linear(weight) is None else load_cpu_ops().linear_few_rows
 
 
 def one_row_linear(weight: torch.Tensor) -> Callable[..., torch.Tensor] | None:

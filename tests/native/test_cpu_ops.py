@@ -28,6 +28,7 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
         "linear_one_row": lambda: cpu_ops.linear_one_row(wide[:1, :344], weight, bias),
         "linear_one_row_bf16": lambda: cpu_ops.linear_one_row(wide16[:1, :344], weight16, bias16),
         "linear_few_rows": lambda: cpu_ops.linear_few_rows(wide[:5, :344], weight, bias),
+        "linear_few_rows_bf16": lambda: cpu_ops.linear_few_rows(wide16[:5, :344], weight16, bias16),
         "silu_and_mul": lambda: cpu_ops.silu_and_mul(wide[:, : 2 * 344]),
         "rms_norm": lambda: cpu_ops.rms_norm(x, w, 1e-5),
         "fused_add_rms_norm": lambda: cpu_ops.fused_add_rms_norm(x, res, w, 1e-5),
@@ -41,6 +42,7 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
         "linear_one_row",
         "linear_one_row_bf16",
         "linear_few_rows",
+        "linear_few_rows_bf16",
         "silu_and_mul",
         "rms_norm",
         "fused_add_rms_norm",
@@ -189,11 +191,41 @@ def test_the_few_rows_product_is_as_exact_as_blas(cpu_ops: object, m: int, k: in
     assert ours <= 4 * blas + 1e-5
 
 
-def test_a_rows_few_rows_product_does_not_depend_on_the_other_rows(cpu_ops: object) -> None:
+@pytest.mark.parametrize("m", [2, 3, 5, 8])
+@pytest.mark.parametrize("k", [7, 33, 344, 4865])
+@pytest.mark.parametrize("n", [1, 5, 1001])
+def test_the_bf16_few_rows_product_is_as_exact_as_torch_mm(
+    cpu_ops: object, m: int, k: int, n: int
+) -> None:
+    """bfloat16 x, weight and bias, summed in float32 and rounded once: within half a bf16
+    step plus the float32 sums' error of a float64 product of the same values, and never
+    further from it than torch.mm's bf16 addmm (as the batch-1 product)."""
+    gen = torch.Generator().manual_seed(m * 1000 + k * 11 + n)
+    x, w, b = (
+        torch.randn(m, k, generator=gen).bfloat16(),
+        torch.randn(n, k, generator=gen).bfloat16(),
+        torch.randn(n, generator=gen).bfloat16(),
+    )
+    exact = x.double() @ w.double().t() + b.double()
+    got = cpu_ops.linear_few_rows(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    err = (got.double() - exact).abs()
+    sums = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t() + b.double().abs())
+    _, exponent = torch.frexp(exact.abs() + sums)
+    assert (err <= torch.pow(2.0, exponent.double() - 9) + sums).all()
+    torch_err = (torch.addmm(b, x, w.t()).double() - exact).abs().max().item()
+    assert err.max().item() <= torch_err + sums.max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_few_rows_product_does_not_depend_on_the_other_rows(
+    cpu_ops: object, dtype: torch.dtype
+) -> None:
     """Each output sums in an order set by k and the ISA alone: a decode batch padded to
     a graph's row count gives its rows the bits they get unpadded."""
     gen = torch.Generator().manual_seed(3)
-    x, w = torch.randn(8, 344, generator=gen), torch.randn(1001, 344, generator=gen)
+    x = torch.randn(8, 344, generator=gen).to(dtype)
+    w = torch.randn(1001, 344, generator=gen).to(dtype)
     full = cpu_ops.linear_few_rows(x, w, None)
     for m in range(2, 8):
         assert torch.equal(cpu_ops.linear_few_rows(x[:m], w, None), full[:m])
@@ -203,32 +235,33 @@ def test_the_few_rows_product_refuses_more_rows_and_other_dtypes(cpu_ops: object
     w = torch.randn(8, 16)
     for args in (
         (torch.randn(9, 16), w, None),  # eight rows at most
-        (torch.randn(2, 16).bfloat16(), w.bfloat16(), None),  # float32 only
+        (torch.randn(2, 16).bfloat16(), w, None),  # x and weight of one dtype
+        (torch.randn(2, 16).half(), w.half(), None),  # float32 or bfloat16 only
         (torch.randn(2, 16), w, torch.randn(7)),  # a bias per output
     ):
         with pytest.raises(RuntimeError, match="linear_few_rows"):
             cpu_ops.linear_few_rows(*args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_take_the_few_rows_product_for_small_batches_in_eager_steps_and_in_graphs(
-    cpu_ops: object,
+    cpu_ops: object, dtype: torch.dtype
 ) -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    layer = _loaded_layer(torch.float32, 256, 384)
+    layer = _loaded_layer(dtype, 256, 384)
     gen = torch.Generator().manual_seed(0)
+    # (Exactness against float64: the few-rows products' own tests.)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {}
     for m in (2, 4, 8):
-        x = torch.randn(m, 256, generator=gen)
+        x = torch.randn(m, 256, generator=gen).to(dtype)
         assert torch.equal(layer(x), cpu_ops.linear_few_rows(x, layer.weight, layer.bias))
-        # (Exactness against float64: test_the_few_rows_product_is_as_exact_as_blas.)
-        torch.testing.assert_close(
-            layer(x), torch.addmm(layer.bias, x, layer.weight.t()), atol=1e-4, rtol=1e-4
-        )
+        torch.testing.assert_close(layer(x), torch.addmm(layer.bias, x, layer.weight.t()), **tol)
     assert any("linear_few_rows" in str(n.target) for n in make_fx(layer)(x).graph.nodes)
-    nine = make_fx(layer)(torch.randn(9, 256)).graph.nodes
+    nine = make_fx(layer)(torch.randn(9, 256).to(dtype)).graph.nodes
     assert not any("linear_few_rows" in str(n.target) for n in nine)  # more rows: mm
-    assert _loaded_layer(torch.float32, 64, 96).few_rows is None  # under 64Ki values: mm
-    assert _loaded_layer(torch.bfloat16, 256, 384).few_rows is None  # bfloat16: mm
+    assert _loaded_layer(dtype, 64, 96).few_rows is None  # under 64Ki values: mm
+    assert _loaded_layer(torch.float16, 256, 384).few_rows is None  # float16: mm
 
 
 def test_an_inductor_graph_calls_the_few_rows_product_through_its_c_shim(

@@ -343,29 +343,46 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
     return out;
 }
 
-// x [m, k] (2 <= m <= kMaxFewRows) times a row-major float32 weight [n, k] (csrc/linear.h).
+// x [m, k] (m <= kMaxFewRows) times a row-major weight [n, k], float32 or bfloat16
+// throughout as linear_one_row (csrc/linear.h); one row is linear_one_row's.
 at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
-    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
-                    x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxFewRows &&
-                    weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
-                "linear_few_rows: a float32 x [m, k], 1 <= m <= 8, and a contiguous float32 "
-                "weight [n, k]");
+    const auto dtype = x.scalar_type();
+    TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
+                    weight.scalar_type() == dtype && x.dim() == 2 && x.size(0) >= 1 &&
+                    x.size(0) <= kMaxFewRows && weight.dim() == 2 && weight.is_contiguous() &&
+                    weight.size(1) == x.size(1),
+                "linear_few_rows: x [m, k], 1 <= m <= 8, and a contiguous weight [n, k], both "
+                "float32 or both bfloat16");
     const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
     if (bias.has_value())
-        TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                        bias->numel() == n,
-                    "linear_few_rows: a contiguous float32 bias [n]");
+        TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
+                    "linear_few_rows: a contiguous bias [n] of x's dtype");
     const at::Tensor xc = x.contiguous();
     if (m == 1)
         return linear_one_row(xc, weight, bias);
     auto out = x.new_empty({m, n});
-    const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    float* y = out.data_ptr<float>();
-    const float *xp = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
     const int64_t grain = std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
+    if (dtype == at::kFloat) {
+        const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+        float* y = out.data_ptr<float>();
+        const float *xp = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
+        at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+            linear_few_rows_f32(y, xp, w, b, m, begin, end, k, n);
+        });
+        return out;
+    }
+    const auto bf16 = [](const at::Tensor& t) {
+        return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+    };
+    std::vector<float> storage;
+    float* xf = aligned_floats(storage, m * k);
+    for (int64_t r = 0; r < m; r++)
+        widen_bf16_pairs(xf + r * k, bf16(xc) + r * k, k);
+    const uint16_t *w = bf16(weight), *b = bias.has_value() ? bf16(*bias) : nullptr;
+    auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-        linear_few_rows_f32(y, xp, w, b, m, begin, end, k, n);
+        linear_few_rows_bf16(y, xf, w, b, m, begin, end, k, n);
     });
     return out;
 }

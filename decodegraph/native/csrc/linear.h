@@ -227,6 +227,78 @@ DG_ONE_COPY inline void linear_one_row_bf16(uint16_t* y, const float* x, const u
     }
 }
 
+// linear_few_rows_f32_block for bfloat16 weights (and bias, and output) against float32
+// rows of x in widen_bf16_pairs' order (k apart): each block of kBf16Block weight values
+// widened once and used by all M rows, summed in float32 and rounded to bf16 once, as
+// linear_one_row_bf16 does. One accumulator per output, as in float32.
+DG_ONE_COPY inline uint16_t few_rows_output_bf16(const Vec& acc, const uint16_t* w_row,
+                                                 const float* x_row, int64_t kv, int64_t k,
+                                                 const uint16_t* bias) {
+    float s = sum(acc);
+    for (int64_t i = kv; i < k; i++)
+        s += bf16_to_f32(w_row[i]) * x_row[i];
+    return f32_to_bf16(s + (bias ? bf16_to_f32(*bias) : 0.f));
+}
+
+template <int64_t M, int64_t R>
+DG_ONE_COPY void linear_few_rows_bf16_block(uint16_t* y, const float* x, const uint16_t* w,
+                                            const uint16_t* b, int64_t begin, int64_t end,
+                                            int64_t k, int64_t n_total) {
+    static_assert(M * R <= 16, "accumulators for registers");
+    const int64_t kv = k - k % kBf16Block;
+    int64_t n = begin;
+    auto columns = [&](auto rows) DG_INLINE {
+        constexpr int64_t RR = decltype(rows)::value;
+        Vec acc[M * RR];
+        for (int64_t j = 0; j < M * RR; j++)
+            acc[j] = Vec(0.f);
+        const uint16_t* wn = w + n * k;
+        for (int64_t i = 0; i < kv; i += kBf16Block) {
+            const int64_t ahead = i + kBf16PrefetchAhead;
+            const uint16_t* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
+            for (int64_t r = 0; r < RR; r++)
+                __builtin_prefetch(p + r * k, 0, 3);
+            Vec even[RR], odd[RR];
+            for (int64_t r = 0; r < RR; r++) {
+                const VecI u = VecI::loadu(wn + r * k + i);
+                even[r] = bf16_even(u);
+                odd[r] = bf16_odd(u);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                const Vec xe = Vec::loadu(x + m * k + i), xo = Vec::loadu(x + m * k + i + kLanes);
+                for (int64_t r = 0; r < RR; r++) {
+                    Vec& a = acc[m * RR + r];
+                    a = at::vec::fmadd(odd[r], xo, at::vec::fmadd(even[r], xe, a));
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t r = 0; r < RR; r++)
+                y[m * n_total + n + r] = few_rows_output_bf16(
+                    acc[m * RR + r], wn + r * k, x + m * k, kv, k, b ? b + n + r : nullptr);
+        n += RR;
+    };
+    while (n + R <= end)
+        columns(std::integral_constant<int64_t, R>{});
+    while (n < end)
+        columns(std::integral_constant<int64_t, 1>{});
+}
+
+// linear_few_rows_bf16_block for `m` rows, as linear_few_rows_f32 chooses R.
+inline void linear_few_rows_bf16(uint16_t* y, const float* x, const uint16_t* w,
+                                 const uint16_t* b, int64_t m, int64_t begin, int64_t end,
+                                 int64_t k, int64_t n_total) {
+    switch (m) {
+    case 2: return linear_few_rows_bf16_block<2, 4>(y, x, w, b, begin, end, k, n_total);
+    case 3: return linear_few_rows_bf16_block<3, 4>(y, x, w, b, begin, end, k, n_total);
+    case 4: return linear_few_rows_bf16_block<4, 4>(y, x, w, b, begin, end, k, n_total);
+    case 5: return linear_few_rows_bf16_block<5, 2>(y, x, w, b, begin, end, k, n_total);
+    case 6: return linear_few_rows_bf16_block<6, 2>(y, x, w, b, begin, end, k, n_total);
+    case 7: return linear_few_rows_bf16_block<7, 2>(y, x, w, b, begin, end, k, n_total);
+    default: return linear_few_rows_bf16_block<8, 2>(y, x, w, b, begin, end, k, n_total);
+    }
+}
+
 }  // namespace decodegraph
 
 #endif
