@@ -54,6 +54,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "activation.h"
@@ -302,6 +303,27 @@ float* aligned_floats(std::vector<float>& storage, int64_t k) {
     return storage.data() + (16 - misalign) % 16;
 }
 
+// Output rows per thread for a product of k-value rows (kLinearGrainValues).
+int64_t linear_grain(int64_t k) {
+    return std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
+}
+
+// A bfloat16 tensor's values as the kernels take them (raw 16-bit words).
+const uint16_t* bf16_words(const at::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// An optional bias's data (T: float, or uint16_t for bfloat16), or null.
+template <class T>
+const T* bias_data(const std::optional<at::Tensor>& bias) {
+    if (!bias.has_value())
+        return nullptr;
+    if constexpr (std::is_same_v<T, float>)
+        return bias->data_ptr<float>();
+    else
+        return bf16_words(*bias);
+}
+
 // float32 or bfloat16 throughout (x, weight, bias, and the output, of x's dtype);
 // bfloat16 sums in float32 (csrc/linear.h).
 at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
@@ -319,9 +341,9 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
         TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
                     "linear_one_row: a contiguous bias [n] of x's dtype");
     auto out = x.new_empty({1, n});
-    const int64_t grain = std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
+    const int64_t grain = linear_grain(k);
     if (dtype == at::kFloat) {
-        const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+        const float* b = bias_data<float>(bias);
         float* y = out.data_ptr<float>();
         const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
         at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -329,13 +351,10 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
         });
         return out;
     }
-    const auto bf16 = [](const at::Tensor& t) {
-        return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-    };
     std::vector<float> storage;
     float* xf = aligned_floats(storage, k);
-    widen_bf16_pairs(xf, bf16(x), k);
-    const uint16_t *w = bf16(weight), *b = bias.has_value() ? bf16(*bias) : nullptr;
+    widen_bf16_pairs(xf, bf16_words(x), k);
+    const uint16_t *w = bf16_words(weight), *b = bias_data<uint16_t>(bias);
     auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
         linear_one_row_bf16(y, xf, w, b, begin, end, k);
@@ -362,28 +381,28 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
     if (m == 1)
         return linear_one_row(xc, weight, bias);
     auto out = x.new_empty({m, n});
-    const int64_t grain = std::max<int64_t>(4, kLinearGrainValues / std::max<int64_t>(k, 1));
-    if (dtype == at::kFloat) {
-        const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-        float* y = out.data_ptr<float>();
-        const float *xp = xc.data_ptr<float>(), *w = weight.data_ptr<float>();
-        at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-            linear_few_rows_f32(y, xp, w, b, m, begin, end, k, n);
-        });
-        return out;
-    }
-    const auto bf16 = [](const at::Tensor& t) {
-        return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-    };
+    const int64_t grain = linear_grain(k);
+    // The rows of x as float32: the activation itself, or bf16 rows widened in pairs.
     std::vector<float> storage;
-    float* xf = aligned_floats(storage, m * k);
-    for (int64_t r = 0; r < m; r++)
-        widen_bf16_pairs(xf + r * k, bf16(xc) + r * k, k);
-    const uint16_t *w = bf16(weight), *b = bias.has_value() ? bf16(*bias) : nullptr;
-    auto* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-        linear_few_rows_bf16(y, xf, w, b, m, begin, end, k, n);
-    });
+    const float* xf = nullptr;
+    if (dtype == at::kFloat) {
+        xf = xc.data_ptr<float>();
+    } else {
+        float* widened = aligned_floats(storage, m * k);
+        for (int64_t r = 0; r < m; r++)
+            widen_bf16_pairs(widened + r * k, bf16_words(xc) + r * k, k);
+        xf = widened;
+    }
+    auto run = [&](auto* y, const auto* w, const auto* b) {
+        at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+            few_rows_product(y, xf, w, b, m, begin, end, k, n);
+        });
+    };
+    if (dtype == at::kFloat)
+        run(out.data_ptr<float>(), weight.data_ptr<float>(), bias_data<float>(bias));
+    else
+        run(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), bf16_words(weight),
+            bias_data<uint16_t>(bias));
     return out;
 }
 

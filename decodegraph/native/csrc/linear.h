@@ -97,74 +97,6 @@ inline void linear_one_row_f32(float* y, const float* x, const float* w, const f
 // ISA alone, not on M, R or the columns a thread was given.
 constexpr int64_t kMaxFewRows = 8;
 
-// One output of linear_few_rows_f32_block from its accumulator: the lanes' sum, the
-// values past the last whole vector, the bias. One copy for every block shape, so that
-// an output's bits do not depend on the shape that computed it (DG_ONE_COPY).
-DG_ONE_COPY inline float few_rows_output(const Vec& acc, const float* w_row, const float* x_row,
-                                         int64_t kv, int64_t k, float bias) {
-    float s = sum(acc);
-    for (int64_t i = kv; i < k; i++)
-        s += w_row[i] * x_row[i];
-    return s + bias;
-}
-
-template <int64_t M, int64_t R>
-DG_ONE_COPY void linear_few_rows_f32_block(float* y, const float* x, const float* w,
-                                           const float* b, int64_t begin, int64_t end,
-                                           int64_t k, int64_t n_total) {
-    static_assert(M * R <= 16, "accumulators for registers");
-    const int64_t kv = k - k % kLanes;
-    int64_t n = begin;
-    auto columns = [&](auto rows) DG_INLINE {
-        constexpr int64_t RR = decltype(rows)::value;
-        Vec acc[M * RR];
-        for (int64_t j = 0; j < M * RR; j++)
-            acc[j] = Vec(0.f);
-        const float* wn = w + n * k;
-        for (int64_t i = 0; i < kv; i += kLanes) {
-            if (i % kLineFloats == 0) {  // each row's stream ahead, into the next R rows
-                const int64_t ahead = i + kF32PrefetchAhead;
-                const float* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
-                for (int64_t r = 0; r < RR; r++)
-                    __builtin_prefetch(p + r * k, 0, 3);
-            }
-            Vec wr[RR];
-            for (int64_t r = 0; r < RR; r++)
-                wr[r] = Vec::loadu(wn + r * k + i);
-            for (int64_t m = 0; m < M; m++) {
-                const Vec xm = Vec::loadu(x + m * k + i);
-                for (int64_t r = 0; r < RR; r++)
-                    acc[m * RR + r] = at::vec::fmadd(wr[r], xm, acc[m * RR + r]);
-            }
-        }
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t r = 0; r < RR; r++)
-                y[m * n_total + n + r] = few_rows_output(acc[m * RR + r], wn + r * k, x + m * k,
-                                                         kv, k, b ? b[n + r] : 0.f);
-        n += RR;
-    };
-    while (n + R <= end)
-        columns(std::integral_constant<int64_t, R>{});
-    while (n < end)
-        columns(std::integral_constant<int64_t, 1>{});
-}
-
-// linear_few_rows_f32_block for `m` rows (2 <= m <= kMaxFewRows): four weight rows at a
-// time up to four rows of x, two above (16 accumulators at most).
-inline void linear_few_rows_f32(float* y, const float* x, const float* w, const float* b,
-                                int64_t m, int64_t begin, int64_t end, int64_t k,
-                                int64_t n_total) {
-    switch (m) {
-    case 2: return linear_few_rows_f32_block<2, 4>(y, x, w, b, begin, end, k, n_total);
-    case 3: return linear_few_rows_f32_block<3, 4>(y, x, w, b, begin, end, k, n_total);
-    case 4: return linear_few_rows_f32_block<4, 4>(y, x, w, b, begin, end, k, n_total);
-    case 5: return linear_few_rows_f32_block<5, 2>(y, x, w, b, begin, end, k, n_total);
-    case 6: return linear_few_rows_f32_block<6, 2>(y, x, w, b, begin, end, k, n_total);
-    case 7: return linear_few_rows_f32_block<7, 2>(y, x, w, b, begin, end, k, n_total);
-    default: return linear_few_rows_f32_block<8, 2>(y, x, w, b, begin, end, k, n_total);
-    }
-}
-
 // A bf16 row read as 32-bit words, each two neighbouring values (little-endian: the
 // first in the low half): `w << 16` is the first of each pair as a float, `w & 0xffff0000`
 // the second. A block of kBf16Block values is two float vectors, its even values then its
@@ -227,55 +159,84 @@ DG_ONE_COPY inline void linear_one_row_bf16(uint16_t* y, const float* x, const u
     }
 }
 
-// linear_few_rows_f32_block for bfloat16 weights (and bias, and output) against float32
-// rows of x in widen_bf16_pairs' order (k apart): each block of kBf16Block weight values
-// widened once and used by all M rows, summed in float32 and rounded to bf16 once, as
-// linear_one_row_bf16 does. One accumulator per output, as in float32.
-DG_ONE_COPY inline uint16_t few_rows_output_bf16(const Vec& acc, const uint16_t* w_row,
-                                                 const float* x_row, int64_t kv, int64_t k,
-                                                 const uint16_t* bias) {
+// One output of few_rows_block from its accumulator: the lanes' sum, the values
+// past the last whole vector, the bias; rounded to bf16 for bf16 weights. One copy per
+// weight type for every block shape, so that an output's bits do not depend on the
+// shape that computed it (DG_ONE_COPY).
+DG_ONE_COPY inline float few_rows_output(const Vec& acc, const float* w_row, const float* x_row,
+                                         int64_t kv, int64_t k, const float* bias) {
+    float s = sum(acc);
+    for (int64_t i = kv; i < k; i++)
+        s += w_row[i] * x_row[i];
+    return s + (bias ? *bias : 0.f);
+}
+
+DG_ONE_COPY inline uint16_t few_rows_output(const Vec& acc, const uint16_t* w_row,
+                                            const float* x_row, int64_t kv, int64_t k,
+                                            const uint16_t* bias) {
     float s = sum(acc);
     for (int64_t i = kv; i < k; i++)
         s += bf16_to_f32(w_row[i]) * x_row[i];
     return f32_to_bf16(s + (bias ? bf16_to_f32(*bias) : 0.f));
 }
 
-template <int64_t M, int64_t R>
-DG_ONE_COPY void linear_few_rows_bf16_block(uint16_t* y, const float* x, const uint16_t* w,
-                                            const uint16_t* b, int64_t begin, int64_t end,
-                                            int64_t k, int64_t n_total) {
+// The few-rows product over output columns [begin, end) for float32 weights (T float)
+// or bfloat16 ones (T uint16_t: weights, bias and output bf16, x float32 in
+// widen_bf16_pairs' order, each row k apart; each block of kBf16Block weight values
+// widened once and used by all M rows, summed in float32 and rounded once, as
+// linear_one_row_bf16 does). One accumulator per output in both.
+template <class T, int64_t M, int64_t R>
+DG_ONE_COPY void few_rows_block(T* y, const float* x, const T* w, const T* b,
+                                       int64_t begin, int64_t end, int64_t k, int64_t n_total) {
     static_assert(M * R <= 16, "accumulators for registers");
-    const int64_t kv = k - k % kBf16Block;
+    constexpr bool kF32 = std::is_same_v<T, float>;
+    constexpr int64_t kStep = kF32 ? kLanes : kBf16Block;
+    constexpr int64_t kAhead = kF32 ? kF32PrefetchAhead : kBf16PrefetchAhead;
+    const int64_t kv = k - k % kStep;
     int64_t n = begin;
     auto columns = [&](auto rows) DG_INLINE {
         constexpr int64_t RR = decltype(rows)::value;
         Vec acc[M * RR];
         for (int64_t j = 0; j < M * RR; j++)
             acc[j] = Vec(0.f);
-        const uint16_t* wn = w + n * k;
-        for (int64_t i = 0; i < kv; i += kBf16Block) {
-            const int64_t ahead = i + kBf16PrefetchAhead;
-            const uint16_t* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
-            for (int64_t r = 0; r < RR; r++)
-                __builtin_prefetch(p + r * k, 0, 3);
-            Vec even[RR], odd[RR];
-            for (int64_t r = 0; r < RR; r++) {
-                const VecI u = VecI::loadu(wn + r * k + i);
-                even[r] = bf16_even(u);
-                odd[r] = bf16_odd(u);
+        const T* wn = w + n * k;
+        for (int64_t i = 0; i < kv; i += kStep) {
+            if (!kF32 || i % kLineFloats == 0) {  // each row's stream ahead, into the next R
+                const int64_t ahead = i + kAhead;
+                const T* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
+                for (int64_t r = 0; r < RR; r++)
+                    __builtin_prefetch(p + r * k, 0, 3);
             }
-            for (int64_t m = 0; m < M; m++) {
-                const Vec xe = Vec::loadu(x + m * k + i), xo = Vec::loadu(x + m * k + i + kLanes);
+            if constexpr (kF32) {
+                Vec wr[RR];
+                for (int64_t r = 0; r < RR; r++)
+                    wr[r] = Vec::loadu(wn + r * k + i);
+                for (int64_t m = 0; m < M; m++) {
+                    const Vec xm = Vec::loadu(x + m * k + i);
+                    for (int64_t r = 0; r < RR; r++)
+                        acc[m * RR + r] = at::vec::fmadd(wr[r], xm, acc[m * RR + r]);
+                }
+            } else {
+                Vec even[RR], odd[RR];
                 for (int64_t r = 0; r < RR; r++) {
-                    Vec& a = acc[m * RR + r];
-                    a = at::vec::fmadd(odd[r], xo, at::vec::fmadd(even[r], xe, a));
+                    const VecI u = VecI::loadu(wn + r * k + i);
+                    even[r] = bf16_even(u);
+                    odd[r] = bf16_odd(u);
+                }
+                for (int64_t m = 0; m < M; m++) {
+                    const Vec xe = Vec::loadu(x + m * k + i);
+                    const Vec xo = Vec::loadu(x + m * k + i + kLanes);
+                    for (int64_t r = 0; r < RR; r++) {
+                        Vec& a = acc[m * RR + r];
+                        a = at::vec::fmadd(odd[r], xo, at::vec::fmadd(even[r], xe, a));
+                    }
                 }
             }
         }
         for (int64_t m = 0; m < M; m++)
             for (int64_t r = 0; r < RR; r++)
-                y[m * n_total + n + r] = few_rows_output_bf16(
-                    acc[m * RR + r], wn + r * k, x + m * k, kv, k, b ? b + n + r : nullptr);
+                y[m * n_total + n + r] = few_rows_output(acc[m * RR + r], wn + r * k, x + m * k,
+                                                         kv, k, b ? b + n + r : nullptr);
         n += RR;
     };
     while (n + R <= end)
@@ -284,18 +245,19 @@ DG_ONE_COPY void linear_few_rows_bf16_block(uint16_t* y, const float* x, const u
         columns(std::integral_constant<int64_t, 1>{});
 }
 
-// linear_few_rows_bf16_block for `m` rows, as linear_few_rows_f32 chooses R.
-inline void linear_few_rows_bf16(uint16_t* y, const float* x, const uint16_t* w,
-                                 const uint16_t* b, int64_t m, int64_t begin, int64_t end,
-                                 int64_t k, int64_t n_total) {
+// few_rows_block for `m` rows (2 <= m <= kMaxFewRows): four weight rows at a time
+// up to four rows of x, two above (16 accumulators at most).
+template <class T>
+inline void few_rows_product(T* y, const float* x, const T* w, const T* b, int64_t m,
+                            int64_t begin, int64_t end, int64_t k, int64_t n_total) {
     switch (m) {
-    case 2: return linear_few_rows_bf16_block<2, 4>(y, x, w, b, begin, end, k, n_total);
-    case 3: return linear_few_rows_bf16_block<3, 4>(y, x, w, b, begin, end, k, n_total);
-    case 4: return linear_few_rows_bf16_block<4, 4>(y, x, w, b, begin, end, k, n_total);
-    case 5: return linear_few_rows_bf16_block<5, 2>(y, x, w, b, begin, end, k, n_total);
-    case 6: return linear_few_rows_bf16_block<6, 2>(y, x, w, b, begin, end, k, n_total);
-    case 7: return linear_few_rows_bf16_block<7, 2>(y, x, w, b, begin, end, k, n_total);
-    default: return linear_few_rows_bf16_block<8, 2>(y, x, w, b, begin, end, k, n_total);
+    case 2: return few_rows_block<T, 2, 4>(y, x, w, b, begin, end, k, n_total);
+    case 3: return few_rows_block<T, 3, 4>(y, x, w, b, begin, end, k, n_total);
+    case 4: return few_rows_block<T, 4, 4>(y, x, w, b, begin, end, k, n_total);
+    case 5: return few_rows_block<T, 5, 2>(y, x, w, b, begin, end, k, n_total);
+    case 6: return few_rows_block<T, 6, 2>(y, x, w, b, begin, end, k, n_total);
+    case 7: return few_rows_block<T, 7, 2>(y, x, w, b, begin, end, k, n_total);
+    default: return few_rows_block<T, 8, 2>(y, x, w, b, begin, end, k, n_total);
     }
 }
 
