@@ -35,18 +35,19 @@ which disables them without a build or a log. A large step splits its requests o
 torch's intra-op threads.
 
 A compiled graph's C++ wrapper calls the operators that stay opaque (the attention, the
-batch-1 projection, the collectives) through their C shims (`c_shims()`, csrc/cpu_ops.cpp),
-a plain C call, instead of through the dispatcher. The wrapper's library finds them in a
-forwarding library of a few lines, loaded RTLD_GLOBAL, that depends on nothing but libc:
-the operators' library itself stays RTLD_LOCAL, since making it global would put torch's
-libraries, their BLAS with them, in the global scope, where any library loaded later (a
-CTranslate2 with an MKL of its own, say) would bind to them.
+projections, the collectives, the norms and activations on wide rows) through their C
+shims (`c_shims()`, csrc/cpu_ops.cpp), a plain C call, instead of through the
+dispatcher. The wrapper's library finds them in a forwarding library of a few lines,
+loaded RTLD_GLOBAL, that depends on nothing but libc: the operators' library itself
+stays RTLD_LOCAL, since making it global would put torch's libraries, their BLAS with
+them, in the global scope, where any library loaded later (a CTranslate2 with an MKL of
+its own, say) would bind to them.
 
-Graph traces see the pointwise and norm operators as the aten ops they stand for
-(`decompositions()`), so Inductor fuses them with their neighbours; the attention
-operator and the batch-1 projection stay opaque. Layers call them through
-`cpu_ops_for(x)`: float32 on CPU only (the attention and the batch-1 projection take
-bfloat16 too).
+Graph traces see the pointwise and norm operators on narrow rows as the aten ops they
+stand for (`decompositions()`), so Inductor fuses them with their neighbours; on wide
+rows, as always for the attention and the projections, a graph calls the operator.
+Layers call them through `cpu_ops_for(x)`: float32 on CPU only (the attention and the
+projections take bfloat16 too).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import re
@@ -367,6 +369,17 @@ C_SHIMS = {
         f"double scale, {_H} workspace, int64_t sliding_window, double logits_soft_cap, "
         f"{_H}* ret0)"
     ),
+    "rms_norm": (
+        f"AOTITorchError aoti_torch_cpu_rms_norm({_H} x, {_H} weight, double eps, {_H}* ret0)"
+    ),
+    "fused_add_rms_norm": (
+        f"AOTITorchError aoti_torch_cpu_fused_add_rms_norm({_H} x, {_H} residual, "
+        f"{_H} weight, double eps, {_H}* ret0, {_H}* ret1)"
+    ),
+    "rotary_embedding": (
+        f"AOTITorchError aoti_torch_cpu_rotary_embedding({_H} x, {_H} cos, {_H} sin, {_H}* ret0)"
+    ),
+    "silu_and_mul": f"AOTITorchError aoti_torch_cpu_silu_and_mul({_H} x, {_H}* ret0)",
     "linear_one_row": (
         f"AOTITorchError aoti_torch_cpu_linear_one_row({_H} x, {_H} weight, {_H}* bias, {_H}* ret0)"
     ),
@@ -431,27 +444,50 @@ def cpu_ops_for(x: torch.Tensor) -> object | None:
     return load_cpu_ops()
 
 
+# Values per token below which a graph sees a pointwise or norm operator as the aten
+# ops it stands for (decompositions()). On narrower rows the operator's own call costs
+# more than its work, and Inductor fuses the aten ops with their neighbours instead; on
+# wider rows its call is a small part of a step dominated by the projections' weight
+# streams, and keeping the operator saves Inductor generating and compiling a kernel for
+# it in every layer of every graph (docs/performance.md, 2026-12-04 20:18).
+FUSE_IN_GRAPHS_BELOW = 512
+
+
 def decompositions() -> dict:
     """For graph traces: each loaded pointwise or norm operator -> the aten ops it stands
-    for (a graph pays no per-op dispatch, and a compiler fuses these with their
-    neighbours). The collectives are not among them: they stay opaque."""
+    for, where its rows hold fewer than FUSE_IN_GRAPHS_BELOW values per token (a
+    compiler fuses these with their neighbours); on wider rows the trace keeps the
+    operator, which a compiled graph calls through its C shim. The attention, the
+    projections and the collectives are not among them: they stay opaque."""
     if not hasattr(torch.ops, "decodegraph_cpu") or not hasattr(
         torch.ops.decodegraph_cpu, "rms_norm"
     ):
         return {}
     import torch.nn.functional as F
 
+    def narrow(x: torch.Tensor) -> bool:
+        return math.prod(x.shape[1:]) < FUSE_IN_GRAPHS_BELOW
+
+    # Each returns NotImplemented (make_fx then records the operator itself) for wide rows.
     def rms_norm(x, weight, eps):  # noqa: ANN001, ANN202
+        if not narrow(x):
+            return NotImplemented
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def fused_add_rms_norm(x, residual, weight, eps):  # noqa: ANN001, ANN202
+        if not narrow(x):
+            return NotImplemented
         res = x + residual
         return F.rms_norm(res, (res.shape[-1],), weight, eps), res
 
     def rotary_embedding(x, cos, sin):  # noqa: ANN001, ANN202
+        if not narrow(x):
+            return NotImplemented
         return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
     def silu_and_mul(x):  # noqa: ANN001, ANN202
+        if not narrow(x):
+            return NotImplemented
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

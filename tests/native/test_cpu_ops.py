@@ -323,7 +323,9 @@ def test_an_inductor_graph_calls_the_batch_1_projection_as_an_opaque_operator(
     assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, layer.weight, layer.bias))
 
 
-def _compiled_with_platform_options(fn: Callable, inputs: list[torch.Tensor]) -> tuple[object, str]:
+def _compiled_with_platform_options(
+    fn: Callable, inputs: list[torch.Tensor], decompositions: dict | None = None
+) -> tuple[object, str]:
     """A CPU graph of fn over inputs, compiled with the CPU platform's Inductor options
     (its C++ wrapper, the operators' C shims), and the generated code."""
     from torch._inductor.utils import fresh_cache, run_and_get_code
@@ -334,7 +336,9 @@ def _compiled_with_platform_options(fn: Callable, inputs: list[torch.Tensor]) ->
 
     options = CpuPlatform().inductor_options(CompilationConfig())
     with fresh_cache():  # else a warm index loads the module and there is no code to read
-        graph, code = run_and_get_code(lambda: CpuGraph("g", fn, inputs, True, options))
+        graph, code = run_and_get_code(
+            lambda: CpuGraph("g", fn, inputs, True, options, decompositions)
+        )
     return graph, "\n".join(code)
 
 
@@ -375,6 +379,49 @@ def test_an_inductor_graph_calls_the_attention_through_its_c_shim(
         graph.replay()
     meta[-1].fill_(1)  # the shim's failure left nothing behind
     assert torch.equal(graph.replay(), attend(q, kv))
+
+
+def _norm_rotate_activate(cpu_ops: object, width: int) -> tuple[Callable, list[torch.Tensor]]:
+    """Both norms, the rotation (heads of 64) and the activation over two tokens of
+    `width` values each, and inputs for them."""
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, width, generator=gen), torch.randn(2, width, generator=gen)
+    weight = torch.rand(width, generator=gen) + 0.5
+    cos, sin = torch.rand(2, 1, 64, generator=gen), torch.rand(2, 1, 64, generator=gen)
+
+    def block(x, residual, weight, cos, sin):  # noqa: ANN001, ANN202
+        h, res = cpu_ops.fused_add_rms_norm(x, residual, weight, 1e-6)
+        rotated = cpu_ops.rotary_embedding(h.view(2, -1, 64), cos, sin).view(2, width)
+        gate_up = torch.cat([cpu_ops.rms_norm(res, weight, 1e-6), rotated], dim=-1)
+        return cpu_ops.silu_and_mul(gate_up), res
+
+    return block, [x, residual, weight, cos, sin]
+
+
+def test_norms_and_activations_on_wide_rows_are_called_through_their_c_shims(
+    cpu_ops: object,
+) -> None:
+    """From FUSE_IN_GRAPHS_BELOW values per token up, a trace keeps the norms, the
+    rotation and the activation as operators, and the compiled graph calls each through
+    its C shim (the fused norm's two outputs included), with an eager call's bits; on
+    narrower rows the trace holds the aten ops they stand for, for Inductor to fuse."""
+    from decodegraph import native
+    from decodegraph.platforms.base import trace
+
+    decompositions = native.decompositions()
+    # (the activation's rows are twice as wide as the norms')
+    narrow, narrow_inputs = _norm_rotate_activate(cpu_ops, native.FUSE_IN_GRAPHS_BELOW // 2 - 64)
+    targets = {str(n.target) for n in trace(narrow, narrow_inputs, decompositions).graph.nodes}
+    assert not any("decodegraph_cpu" in t for t in targets), targets
+
+    block, inputs = _norm_rotate_activate(cpu_ops, native.FUSE_IN_GRAPHS_BELOW)
+    graph, code = _compiled_with_platform_options(block, inputs, decompositions)
+    for name in ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"):
+        assert f"aoti_torch_cpu_{name}(" in code, name
+    assert "aoti_torch_call_dispatcher" not in code
+    inputs[0].copy_(torch.randn(inputs[0].shape))  # a replay reads what the inputs hold now
+    for got, want in zip(graph.replay(), block(*inputs), strict=True):
+        assert torch.equal(got, want)
 
 
 def _projection_without_bias(cpu_ops: object) -> tuple[torch.Tensor, torch.Tensor, object, str]:

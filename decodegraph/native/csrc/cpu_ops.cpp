@@ -44,6 +44,7 @@
 // those names and forwards each call here. This library stays RTLD_LOCAL: made global, it
 // would take torch's libraries (their BLAS among them) into the global scope with it,
 // where libraries loaded later bind to them.
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -55,6 +56,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "activation.h"
@@ -207,6 +209,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
 
 // aten's grain size for pointwise ops (at::internal::GRAIN_SIZE): values per thread below
 // which splitting costs more than it saves.
+// A new CPU tensor of x's dtype: c10's CPU allocator directly, without the dispatcher
+// call of Tensor::new_empty (these operators run once per layer in a batch-1 graph).
+at::Tensor empty_of(const at::Tensor& x, at::IntArrayRef sizes) {
+    return at::detail::empty_cpu(sizes, x.scalar_type(), /*pin_memory=*/false, std::nullopt);
+}
+
 constexpr int64_t kGrainValues = 32768;
 
 // fn(first_row, num_rows) over [0, rows), in ranges of at least kGrainValues values
@@ -227,7 +235,7 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     check_norm_args(x, weight);
     const int64_t n = x.size(1), stride = x.stride(0);
-    auto out = x.new_empty({x.size(0), n});
+    auto out = empty_of(x, {x.size(0), n});
     float *o = out.data_ptr<float>();
     const float *xp = x.data_ptr<float>(), *w = weight.data_ptr<float>();
     for_rows(x.size(0), n, [&](int64_t r, int64_t rows) {
@@ -243,8 +251,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
     check_norm_args(residual, weight);
     TORCH_CHECK(residual.size(0) == x.size(0), "fused_add_rms_norm: row counts differ");
     const int64_t n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
-    auto out = x.new_empty({x.size(0), n});
-    auto res_out = x.new_empty({x.size(0), n});
+    auto out = empty_of(x, {x.size(0), n});
+    auto res_out = empty_of(x, {x.size(0), n});
     float *o = out.data_ptr<float>(), *ro = res_out.data_ptr<float>();
     const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
     const float *w = weight.data_ptr<float>();
@@ -264,7 +272,7 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
                     cos.size(-1) == d && sin.size(-1) == d && cos.stride(-1) == 1 &&
                     sin.stride(-1) == 1 && cos.stride(0) == sin.stride(0),
                 "rotary_embedding: cos and sin rows of head_size (even) values, one per token");
-    auto out = x.new_empty({rows, heads, d});
+    auto out = empty_of(x, {rows, heads, d});
     float *o = out.data_ptr<float>();
     const float *xp = x.data_ptr<float>(), *c = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
     const int64_t xs = x.stride(0), cs = cos.stride(0);
@@ -280,7 +288,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
                     x.size(1) % 2 == 0,
                 "silu_and_mul: float32 rows [n, 2 * d]");
     const int64_t d = x.size(1) / 2, xs = x.stride(0);
-    auto out = x.new_empty({x.size(0), d});
+    auto out = empty_of(x, {x.size(0), d});
     float *o = out.data_ptr<float>();
     const float *xp = x.data_ptr<float>();
     for_rows(x.size(0), 2 * d, [&](int64_t r, int64_t rows) {
@@ -340,7 +348,7 @@ at::Tensor linear_one_row(const at::Tensor& x, const at::Tensor& weight,
     if (bias.has_value())
         TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
                     "linear_one_row: a contiguous bias [n] of x's dtype");
-    auto out = x.new_empty({1, n});
+    auto out = empty_of(x, {1, n});
     const int64_t grain = linear_grain(k);
     if (dtype == at::kFloat) {
         const float* b = bias_data<float>(bias);
@@ -380,7 +388,7 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor xc = x.contiguous();
     if (m == 1)
         return linear_one_row(xc, weight, bias);
-    auto out = x.new_empty({m, n});
+    auto out = empty_of(x, {m, n});
     const int64_t grain = linear_grain(k);
     // The rows of x as float32: the activation itself, or bf16 rows widened in pairs.
     std::vector<float> storage;
@@ -532,6 +540,34 @@ AOTITorchError decodegraph_shim_paged_attention_windowed_capped(
             of(block_tables), of(query_start_loc), of(seq_lens), of(num_reqs), scale,
             of(workspace), sliding_window, logits_soft_cap));
     });
+}
+
+AOTITorchError decodegraph_shim_rms_norm(AtenTensorHandle x, AtenTensorHandle weight, double eps,
+                                         AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+        { *ret0 = torch::aot_inductor::new_tensor_handle(rms_norm(of(x), of(weight), eps)); });
+}
+
+AOTITorchError decodegraph_shim_fused_add_rms_norm(AtenTensorHandle x, AtenTensorHandle residual,
+                                                   AtenTensorHandle weight, double eps,
+                                                   AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        auto [out, res] = fused_add_rms_norm(of(x), of(residual), of(weight), eps);
+        *ret0 = torch::aot_inductor::new_tensor_handle(std::move(out));
+        *ret1 = torch::aot_inductor::new_tensor_handle(std::move(res));
+    });
+}
+
+AOTITorchError decodegraph_shim_rotary_embedding(AtenTensorHandle x, AtenTensorHandle cos,
+                                                 AtenTensorHandle sin, AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+        *ret0 = torch::aot_inductor::new_tensor_handle(rotary_embedding(of(x), of(cos), of(sin)));
+    });
+}
+
+AOTITorchError decodegraph_shim_silu_and_mul(AtenTensorHandle x, AtenTensorHandle* ret0) {
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE(
+        { *ret0 = torch::aot_inductor::new_tensor_handle(silu_and_mul(of(x))); });
 }
 
 AOTITorchError decodegraph_shim_linear_one_row(AtenTensorHandle x, AtenTensorHandle weight,
