@@ -94,8 +94,13 @@ inline void linear_one_row_f32(float* y, const float* x, const float* w, const f
 // row of the next R (the rows of a group are short next to the fetch distance at small
 // hidden sizes, where only the hardware prefetcher saw the next group coming). Each
 // output is one accumulator's lanes over k, then their sum: its bits depend on k and the
-// ISA alone, not on M, R or the columns a thread was given.
+// ISA alone, not on M, R or the columns a thread was given. The accumulator is summed a
+// chunk of kFewRowsChunk values at a time, each chunk's sum added to a running total (kept
+// in memory, touched once a chunk): one sequential accumulator over a long row (a down
+// projection's k of several thousand) strayed several times further from the exact product
+// than BLAS's blocked sums, where the chunks keep it level with them.
 constexpr int64_t kMaxFewRows = 8;
+constexpr int64_t kFewRowsChunk = 256;
 
 // A bf16 row read as 32-bit words, each two neighbouring values (little-endian: the
 // first in the low half): `w << 16` is the first of each pair as a float, `w & 0xffff0000`
@@ -192,50 +197,59 @@ DG_ONE_COPY void few_rows_block(T* y, const float* x, const T* w, const T* b,
     constexpr bool kF32 = std::is_same_v<T, float>;
     constexpr int64_t kStep = kF32 ? kLanes : kBf16Block;
     constexpr int64_t kAhead = kF32 ? kF32PrefetchAhead : kBf16PrefetchAhead;
+    static_assert(kFewRowsChunk % kStep == 0, "whole steps to a chunk");
     const int64_t kv = k - k % kStep;
     int64_t n = begin;
     auto columns = [&](auto rows) DG_INLINE {
         constexpr int64_t RR = decltype(rows)::value;
-        Vec acc[M * RR];
+        Vec total[M * RR];  // the chunks' sums so far
         for (int64_t j = 0; j < M * RR; j++)
-            acc[j] = Vec(0.f);
+            total[j] = Vec(0.f);
         const T* wn = w + n * k;
-        for (int64_t i = 0; i < kv; i += kStep) {
-            if (!kF32 || i % kLineFloats == 0) {  // each row's stream ahead, into the next R
-                const int64_t ahead = i + kAhead;
-                const T* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
-                for (int64_t r = 0; r < RR; r++)
-                    __builtin_prefetch(p + r * k, 0, 3);
-            }
-            if constexpr (kF32) {
-                Vec wr[RR];
-                for (int64_t r = 0; r < RR; r++)
-                    wr[r] = Vec::loadu(wn + r * k + i);
-                for (int64_t m = 0; m < M; m++) {
-                    const Vec xm = Vec::loadu(x + m * k + i);
+        for (int64_t c = 0; c < kv; c += kFewRowsChunk) {
+            const int64_t c_end = c + kFewRowsChunk < kv ? c + kFewRowsChunk : kv;
+            Vec acc[M * RR];
+            for (int64_t j = 0; j < M * RR; j++)
+                acc[j] = Vec(0.f);
+            for (int64_t i = c; i < c_end; i += kStep) {
+                if (!kF32 || i % kLineFloats == 0) {  // each row's stream ahead, into the next R
+                    const int64_t ahead = i + kAhead;
+                    const T* p = ahead < k ? wn + ahead : wn + RR * k + (ahead - k);
                     for (int64_t r = 0; r < RR; r++)
-                        acc[m * RR + r] = at::vec::fmadd(wr[r], xm, acc[m * RR + r]);
+                        __builtin_prefetch(p + r * k, 0, 3);
                 }
-            } else {
-                Vec even[RR], odd[RR];
-                for (int64_t r = 0; r < RR; r++) {
-                    const VecI u = VecI::loadu(wn + r * k + i);
-                    even[r] = bf16_even(u);
-                    odd[r] = bf16_odd(u);
-                }
-                for (int64_t m = 0; m < M; m++) {
-                    const Vec xe = Vec::loadu(x + m * k + i);
-                    const Vec xo = Vec::loadu(x + m * k + i + kLanes);
+                if constexpr (kF32) {
+                    Vec wr[RR];
+                    for (int64_t r = 0; r < RR; r++)
+                        wr[r] = Vec::loadu(wn + r * k + i);
+                    for (int64_t m = 0; m < M; m++) {
+                        const Vec xm = Vec::loadu(x + m * k + i);
+                        for (int64_t r = 0; r < RR; r++)
+                            acc[m * RR + r] = at::vec::fmadd(wr[r], xm, acc[m * RR + r]);
+                    }
+                } else {
+                    Vec even[RR], odd[RR];
                     for (int64_t r = 0; r < RR; r++) {
-                        Vec& a = acc[m * RR + r];
-                        a = at::vec::fmadd(odd[r], xo, at::vec::fmadd(even[r], xe, a));
+                        const VecI u = VecI::loadu(wn + r * k + i);
+                        even[r] = bf16_even(u);
+                        odd[r] = bf16_odd(u);
+                    }
+                    for (int64_t m = 0; m < M; m++) {
+                        const Vec xe = Vec::loadu(x + m * k + i);
+                        const Vec xo = Vec::loadu(x + m * k + i + kLanes);
+                        for (int64_t r = 0; r < RR; r++) {
+                            Vec& a = acc[m * RR + r];
+                            a = at::vec::fmadd(odd[r], xo, at::vec::fmadd(even[r], xe, a));
+                        }
                     }
                 }
             }
+            for (int64_t j = 0; j < M * RR; j++)
+                total[j] = total[j] + acc[j];
         }
         for (int64_t m = 0; m < M; m++)
             for (int64_t r = 0; r < RR; r++)
-                y[m * n_total + n + r] = few_rows_output(acc[m * RR + r], wn + r * k, x + m * k,
+                y[m * n_total + n + r] = few_rows_output(total[m * RR + r], wn + r * k, x + m * k,
                                                          kv, k, b ? b + n + r : nullptr);
         n += RR;
     };
