@@ -34,13 +34,15 @@ def _inductor_isa_probe_redundant() -> bool:
     ISA the CPU reports (a compiler run and a child Python each, in every process). Our
     operators were built by the same compiler for this machine's widest ISA, over the same
     ATen vector headers (decodegraph/native), so for AVX-512, AVX2 and NEON the probe
-    cannot fail where that build did not. AMX and SVE, which our build does not use, and
-    a build narrowed by DECODEGRAPH_CPU_ISA keep the probe, as does
-    `inductor_compile_config={"cpp.vec_isa_ok": None}`.
+    cannot fail where that build did not. `cpp.vec_isa_ok` skips only that check of the
+    headers: Inductor still compiles and loads its own test of each extension beside
+    (AVX-512 BF16, VNNI, AMX), so an AMX CPU keeps its AMX check. SVE, whose base check
+    is the headers' under other flags, and a build narrowed by DECODEGRAPH_CPU_ISA keep
+    the probe, as does `inductor_compile_config={"cpp.vec_isa_ok": None}`.
     """
     isa = native.cpu_isa()
     if isa == "avx512":
-        return not torch.cpu._is_amx_tile_supported()
+        return True
     if isa == "avx2":
         return not torch.cpu._is_avx512_supported()
     if isa == "neon":

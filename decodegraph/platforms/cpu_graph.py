@@ -33,10 +33,12 @@ def start_vector_isa_probe(vec_isa_ok: bool | None) -> None:
 
     Inductor makes it before its first CPU graph: a test library per ISA feature, each
     compiled (cold) and loaded by a child Python (every process), mostly time spent
-    waiting on those processes. Started while the model loads, it is done or nearly so
-    when the first graph compiles; compile_with_inductor waits for it, so that no two
-    threads patch Inductor's config at once. `vec_isa_ok`: Inductor's `cpp.vec_isa_ok`
-    as the compiles will set it (the process keeps the probe's answer).
+    waiting on those processes. Here each candidate ISA is checked in a thread of its
+    own, side by side, and the pick then finds every answer made. Started while the
+    model loads, it is done or nearly so when the first graph compiles;
+    compile_with_inductor waits for it rather than probe again beside it. `vec_isa_ok`:
+    Inductor's `cpp.vec_isa_ok` as the compiles will set it (the process keeps the
+    probe's answer).
     """
     global _isa_probe
     if _isa_probe is not None:
@@ -45,15 +47,45 @@ def start_vector_isa_probe(vec_isa_ok: bool | None) -> None:
     def probe() -> None:
         try:
             import torch._inductor.config as inductor_config
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
+            from torch._inductor import cpu_vec_isa
 
+            # Inductor's config patches are per thread.
+            def check(isa: object) -> None:
+                with inductor_config.patch({"cpp.vec_isa_ok": vec_isa_ok}):
+                    bool(isa)
+
+            # Each ISA's checks (compiles and child processes, one after another within
+            # an ISA) side by side: each answer is cached on its ISA object, where the
+            # pick below finds it.
+            checks = [
+                threading.Thread(target=check, args=(isa,), name="decodegraph-isa-check")
+                for isa in _isa_candidates(cpu_vec_isa)
+            ]
+            for thread in checks:
+                thread.start()
+            for thread in checks:
+                thread.join()
             with inductor_config.patch({"cpp.vec_isa_ok": vec_isa_ok}):
-                pick_vec_isa()  # cached for the process: the compiles reuse its answer
+                cpu_vec_isa.pick_vec_isa()  # cached for the process: the compiles reuse it
         except Exception as e:  # noqa: BLE001 - the compile will probe for itself
             logger.debug("early vector-ISA probe failed: %s", e)
 
     _isa_probe = threading.Thread(target=probe, name="decodegraph-isa-probe", daemon=True)
     _isa_probe.start()
+
+
+def _isa_candidates(cpu_vec_isa: Any) -> list[Any]:
+    """Inductor's x86 vector ISAs whose every feature this CPU reports, the ones its pick
+    will check (none elsewhere: the pick checks those itself)."""
+    try:
+        features = set(cpu_vec_isa.x86_isa_checker())
+        return [
+            isa
+            for isa in cpu_vec_isa.supported_vec_isa_list
+            if features and all(f in features for f in str(isa).split())
+        ]
+    except AttributeError:  # another Inductor: its pick checks them one after another
+        return []
 
 
 def _wait_for_isa_probe() -> None:

@@ -202,7 +202,7 @@ def test_an_index_entry_whose_module_is_gone_compiles_afresh(
 def test_the_first_compile_waits_for_the_early_vector_isa_probe(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The probe thread patches Inductor's config: no compile may overlap it."""
+    """A compile needs the probe's answer: it waits for the probe, not probes beside it."""
     import threading
     import time
 
@@ -233,6 +233,52 @@ def test_the_first_compile_waits_for_the_early_vector_isa_probe(
     graph = CpuGraph("g", _affine, [x, w], use_inductor=True)
     assert seen == [True]
     torch.testing.assert_close(graph.replay(), _affine(x, w))
+
+
+def test_the_probe_checks_each_candidate_isa_in_a_thread_under_the_compiles_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every ISA whose features the CPU reports is checked side by side, each under the
+    `cpp.vec_isa_ok` the compiles use (Inductor's config patches are per thread), before
+    the pick, which then finds the answers made."""
+    import threading
+
+    import torch._inductor.config as inductor_config
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    from decodegraph.platforms import cpu_graph
+
+    checked: list[tuple[str, str, object]] = []
+    both_running = threading.Barrier(2, timeout=10)
+
+    class FakeIsa:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __str__(self) -> str:
+            return self.name
+
+        def __bool__(self) -> bool:
+            ok = inductor_config.cpp.vec_isa_ok
+            checked.append((self.name, threading.current_thread().name, ok))
+            both_running.wait()  # the two checks overlap, or this times out
+            return True
+
+    picked: list[list[str]] = []
+    isas = [FakeIsa("avx512 avx512_vnni"), FakeIsa("avx512"), FakeIsa("amx_tile")]
+    monkeypatch.setattr(cpu_graph, "_isa_probe", None)
+    monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list", isas)
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx512", "avx512_vnni"])
+    monkeypatch.setattr(
+        cpu_vec_isa, "pick_vec_isa", lambda: picked.append([name for name, *_ in checked])
+    )
+    cpu_graph.start_vector_isa_probe(True)
+    cpu_graph._wait_for_isa_probe()
+    assert sorted(checked) == [
+        ("avx512", "decodegraph-isa-check", True),
+        ("avx512 avx512_vnni", "decodegraph-isa-check", True),
+    ]
+    assert len(picked) == 1 and sorted(picked[0]) == ["avx512", "avx512 avx512_vnni"]
 
 
 @pytest.mark.parametrize(("mode", "starts"), [("NONE", False), ("FULL_DECODE_ONLY", True)])
