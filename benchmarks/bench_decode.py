@@ -16,7 +16,8 @@ capture seconds and graph count.
 Every row also shows the fraction of the memory-bandwidth floor it reaches: the bytes a
 decode step must read (every weight once, the LM head rather than the embedding, and each
 sequence's KV cache at its mean length) over a streaming bandwidth measured here at the
-same thread count (the faster of a large tensor's sum and copy), at the start and after
+same thread count (the fastest of a large tensor's sum, its copy and BLAS's matrix-vector
+product over it), at the start and after
 every batch-1 round (median), so that the floor sees the same load as the sides.
 
 --mid-size adds a Qwen2.5-0.5B-shaped random checkpoint (written once under --mid-dir),
@@ -377,11 +378,16 @@ def main() -> None:
     bw = peers.measure_bandwidth()
     print(
         f"intra-op threads: {args.threads}; bandwidth: read {bw.read_gbs:.1f} GB/s, "
-        f"copy {bw.copy_gbs:.1f} GB/s (floor at {bw.floor_gbs:.1f})"
+        f"copy {bw.copy_gbs:.1f} GB/s, GEMV {bw.gemv_gbs:.1f} GB/s (floor at {bw.floor_gbs:.1f})"
     )
     results: dict[str, Any] = {
         "threads": args.threads,
-        "bandwidth_gbs": {"read": bw.read_gbs, "copy": bw.copy_gbs, "floor": bw.floor_gbs},
+        "bandwidth_gbs": {
+            "read": bw.read_gbs,
+            "copy": bw.copy_gbs,
+            "gemv": bw.gemv_gbs,
+            "floor": bw.floor_gbs,
+        },
         "models": {},
     }
     jobs: list[Job] = []

@@ -46,8 +46,8 @@ def test_decode_bytes_count_the_lm_head_once_and_the_kv_of_every_layer(tmp_path:
 
 def test_bandwidth_is_measured_and_positive() -> None:
     bw = peers.measure_bandwidth(mib=16, repeats=2)
-    assert bw.read_gbs > 0 and bw.copy_gbs > 0
-    assert bw.floor_gbs == max(bw.read_gbs, bw.copy_gbs)
+    assert bw.read_gbs > 0 and bw.copy_gbs > 0 and bw.gemv_gbs > 0
+    assert bw.floor_gbs == max(bw.read_gbs, bw.copy_gbs, bw.gemv_gbs)
 
 
 def _run_both_workloads(side: peers.TransformersSide | peers.CTranslate2Side) -> None:

@@ -2,13 +2,16 @@
 // W [n, k], over output rows [begin, end). The batch-1 projection: MKL's sgemv keeps a
 // single row on one thread, so a decode step at batch 1 reads its weights at one core's
 // bandwidth whatever the thread count (docs/performance.md); the caller splits the output
-// rows over torch's intra-op threads instead. A thread reads its rows one after another,
-// each with four accumulators: one sequential stream through W (four rows read side by
-// side, sharing each load of x, were slower on a large W: docs/performance.md), every
-// cache line of it fetched a little ahead in software. The hardware prefetcher alone
-// left the stream below a plain sum's rate on an Intel Xeon, where it stops at each
-// 4 KiB page; on an AMD Zen 4 a float32 stream alone ran a tenth faster without the
-// fetches, but a model's batch-1 step did not measurably (docs/performance.md).
+// rows over torch's intra-op threads instead. Each row is summed with four accumulators.
+// Where the CPU is not an Intel one with 16-lane vectors, a thread reads its rows one
+// after another: one sequential stream through W (four rows read side by side, sharing
+// each load of x, were slower on a large W on an AMD EPYC: docs/performance.md), every
+// cache line of it fetched a little ahead in software (the hardware prefetcher alone left
+// the stream below a plain sum's rate on an Intel Xeon, where it stops at each 4 KiB
+// page; on an AMD Zen 4 a float32 stream alone ran a tenth faster without the fetches,
+// but a model's batch-1 step did not measurably). On an Intel core with 16-lane vectors
+// it reads four rows side by side with no software fetches, which streamed faster there
+// than the one fetched stream (rows_side_by_side). The same bits either way.
 //
 // bfloat16 weights (and bias, and output) are summed in float32 against a float32 x (the
 // caller widens a bf16 activation once per call): each bf16 product is exact in float32,
@@ -18,10 +21,11 @@
 #ifndef DECODEGRAPH_LINEAR_H
 #define DECODEGRAPH_LINEAR_H
 
+#include <array>
 #include <cstdint>
 #include <type_traits>
 
-#include "cpu_vendor.h"  // env_switch
+#include "cpu_vendor.h"  // env_switch, cpu_is_intel
 #include "vec.h"
 
 namespace decodegraph {
@@ -47,6 +51,33 @@ inline bool fetch_weights_ahead() {
     return yes;
 }
 
+// Rows linear_one_row_f32 reads side by side where it does (kF32RowsSideBySide streams at
+// once, each summed exactly as a row alone is), decided once per process: on Intel cores
+// with 16-lane vectors, where four streams left to the hardware prefetcher read faster
+// than one stream fetched ahead in software (docs/performance.md, "rows side by side"); on
+// AMD cores one stream was the faster (docs/performance.md, "one stream through the
+// weights"), and with 8-lane vectors four rows' 16 accumulators and x would not fit in
+// the 16 registers. DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 overrides it.
+constexpr int64_t kF32RowsSideBySide = 4;
+inline bool rows_side_by_side() {
+    static const bool yes =
+        env_switch("DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE", kLanes == 16 && cpu_is_intel());
+    return yes;
+}
+
+// The end of one output: a row's four accumulators over its whole blocks of 4 vectors
+// (up to i), then its remaining whole vectors, the accumulators' sum and the last values.
+// One copy for both row loops below, so that they give the same bits.
+DG_ONE_COPY float finish_row_f32(Vec a0, Vec a1, Vec a2, Vec a3, const float* wn,
+                                 const float* x, int64_t i, int64_t k) {
+    for (; i + kLanes <= k; i += kLanes)
+        a0 = at::vec::fmadd(Vec::loadu(wn + i), Vec::loadu(x + i), a0);
+    float s = sum((a0 + a1) + (a2 + a3));
+    for (; i < k; i++)
+        s += wn[i] * x[i];
+    return s;
+}
+
 template <bool kFetch>
 DG_ONE_COPY void linear_one_row_f32_rows(float* y, const float* x, const float* w,
                                          const float* b, int64_t begin, int64_t end,
@@ -66,19 +97,49 @@ DG_ONE_COPY void linear_one_row_f32_rows(float* y, const float* x, const float* 
             a3 = at::vec::fmadd(Vec::loadu(wn + i + 3 * kLanes), Vec::loadu(x + i + 3 * kLanes),
                                 a3);
         }
-        for (; i + kLanes <= k; i += kLanes)
-            a0 = at::vec::fmadd(Vec::loadu(wn + i), Vec::loadu(x + i), a0);
-        float s = sum((a0 + a1) + (a2 + a3));
-        for (; i < k; i++)
-            s += wn[i] * x[i];
-        y[n] = s + (b ? b[n] : 0.f);
+        y[n] = finish_row_f32(a0, a1, a2, a3, wn, x, i, k) + (b ? b[n] : 0.f);
     }
 }
 
-// Both variants sum in the same order: the fetches change the time, never the bits.
+// kF32RowsSideBySide rows at a time, each with its own four accumulators as above, every
+// load of x shared by the rows; the rows left over go one at a time.
+DG_ONE_COPY void linear_one_row_f32_side_by_side(float* y, const float* x, const float* w,
+                                                 const float* b, int64_t begin, int64_t end,
+                                                 int64_t k) {
+    constexpr int64_t R = kF32RowsSideBySide;
+    int64_t n = begin;
+    for (; n + R <= end; n += R) {
+        const float* wn = w + n * k;
+        std::array<Vec, 4 * R> a;
+        for (int64_t j = 0; j < 4 * R; j++)
+            a[j] = Vec(0.f);
+        int64_t i = 0;
+        for (; i + 4 * kLanes <= k; i += 4 * kLanes) {
+            const Vec x0 = Vec::loadu(x + i), x1 = Vec::loadu(x + i + kLanes);
+            const Vec x2 = Vec::loadu(x + i + 2 * kLanes), x3 = Vec::loadu(x + i + 3 * kLanes);
+            for (int64_t r = 0; r < R; r++) {
+                const float* row = wn + r * k + i;
+                a[4 * r] = at::vec::fmadd(Vec::loadu(row), x0, a[4 * r]);
+                a[4 * r + 1] = at::vec::fmadd(Vec::loadu(row + kLanes), x1, a[4 * r + 1]);
+                a[4 * r + 2] = at::vec::fmadd(Vec::loadu(row + 2 * kLanes), x2, a[4 * r + 2]);
+                a[4 * r + 3] = at::vec::fmadd(Vec::loadu(row + 3 * kLanes), x3, a[4 * r + 3]);
+            }
+        }
+        for (int64_t r = 0; r < R; r++)
+            y[n + r] = finish_row_f32(a[4 * r], a[4 * r + 1], a[4 * r + 2], a[4 * r + 3],
+                                      wn + r * k, x, i, k) +
+                       (b ? b[n + r] : 0.f);
+    }
+    linear_one_row_f32_rows<false>(y, x, w, b, n, end, k);
+}
+
+// All three sum each row in the same order: the fetches and the row order change the
+// time, never the bits.
 inline void linear_one_row_f32(float* y, const float* x, const float* w, const float* b,
                                int64_t begin, int64_t end, int64_t k) {
-    if (fetch_weights_ahead())
+    if (rows_side_by_side())
+        linear_one_row_f32_side_by_side(y, x, w, b, begin, end, k);
+    else if (fetch_weights_ahead())
         linear_one_row_f32_rows<true>(y, x, w, b, begin, end, k);
     else
         linear_one_row_f32_rows<false>(y, x, w, b, begin, end, k);
