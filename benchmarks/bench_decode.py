@@ -17,8 +17,8 @@ Every row also shows the fraction of the memory-bandwidth floor it reaches: the 
 decode step must read (every weight once, the LM head rather than the embedding, and each
 sequence's KV cache at its mean length) over a streaming bandwidth measured here at the
 same thread count (the fastest of a large tensor's sum, its copy and BLAS's matrix-vector
-product over it), at the start and after
-every batch-1 round (median), so that the floor sees the same load as the sides.
+product over it), at the start and after every batch-1 round (median), so that the floor
+sees the same load as the sides.
 
 --mid-size adds a Qwen2.5-0.5B-shaped random checkpoint (written once under --mid-dir),
 in fp32 and bf16, at batch 1 and --mid-batch: minutes per dtype on 2 cores.

@@ -56,7 +56,7 @@ class Bandwidth:
     # _GEMV_ROW values: the matrix's bytes read. A decode step's own access pattern, and
     # on a CPU whose hardware prefetcher stops at each 4 KiB page (an Intel Xeon here),
     # faster than the plain sum, which leaves the stream to that prefetcher.
-    gemv_gbs: float = 0.0
+    gemv_gbs: float
 
     @property
     def floor_gbs(self) -> float:

@@ -79,10 +79,12 @@ def _isa_candidates(cpu_vec_isa: Any) -> list[Any]:
     will check (none elsewhere: the pick checks those itself)."""
     try:
         features = set(cpu_vec_isa.x86_isa_checker())
+        if not features:
+            return []
         return [
             isa
             for isa in cpu_vec_isa.supported_vec_isa_list
-            if features and all(f in features for f in str(isa).split())
+            if all(f in features for f in str(isa).split())
         ]
     except AttributeError:  # another Inductor: its pick checks them one after another
         return []

@@ -67,7 +67,7 @@ inline bool rows_side_by_side() {
 
 // The end of one output: a row's four accumulators over its whole blocks of 4 vectors
 // (up to i), then its remaining whole vectors, the accumulators' sum and the last values.
-// One copy for both row loops below, so that they give the same bits.
+// One copy for every row count below, so that they give the same bits.
 DG_ONE_COPY float finish_row_f32(Vec a0, Vec a1, Vec a2, Vec a3, const float* wn,
                                  const float* x, int64_t i, int64_t k) {
     for (; i + kLanes <= k; i += kLanes)
@@ -78,35 +78,13 @@ DG_ONE_COPY float finish_row_f32(Vec a0, Vec a1, Vec a2, Vec a3, const float* wn
     return s;
 }
 
-template <bool kFetch>
+// R rows at a time (the rows left over one at a time), each with its own four
+// accumulators, every load of x shared by the R rows; with kFetch every cache line of
+// each row's stream is fetched kF32PrefetchAhead values ahead in software.
+template <int64_t R, bool kFetch>
 DG_ONE_COPY void linear_one_row_f32_rows(float* y, const float* x, const float* w,
                                          const float* b, int64_t begin, int64_t end,
                                          int64_t k) {
-    for (int64_t n = begin; n < end; n++) {
-        const float* wn = w + n * k;
-        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-        int64_t i = 0;
-        for (; i + 4 * kLanes <= k; i += 4 * kLanes) {
-            if constexpr (kFetch)
-                for (int64_t line = 0; line < 4 * kLanes; line += kLineFloats)
-                    __builtin_prefetch(wn + i + kF32PrefetchAhead + line, 0, 3);
-            a0 = at::vec::fmadd(Vec::loadu(wn + i), Vec::loadu(x + i), a0);
-            a1 = at::vec::fmadd(Vec::loadu(wn + i + kLanes), Vec::loadu(x + i + kLanes), a1);
-            a2 = at::vec::fmadd(Vec::loadu(wn + i + 2 * kLanes), Vec::loadu(x + i + 2 * kLanes),
-                                a2);
-            a3 = at::vec::fmadd(Vec::loadu(wn + i + 3 * kLanes), Vec::loadu(x + i + 3 * kLanes),
-                                a3);
-        }
-        y[n] = finish_row_f32(a0, a1, a2, a3, wn, x, i, k) + (b ? b[n] : 0.f);
-    }
-}
-
-// kF32RowsSideBySide rows at a time, each with its own four accumulators as above, every
-// load of x shared by the rows; the rows left over go one at a time.
-DG_ONE_COPY void linear_one_row_f32_side_by_side(float* y, const float* x, const float* w,
-                                                 const float* b, int64_t begin, int64_t end,
-                                                 int64_t k) {
-    constexpr int64_t R = kF32RowsSideBySide;
     int64_t n = begin;
     for (; n + R <= end; n += R) {
         const float* wn = w + n * k;
@@ -115,22 +93,25 @@ DG_ONE_COPY void linear_one_row_f32_side_by_side(float* y, const float* x, const
             a[j] = Vec(0.f);
         int64_t i = 0;
         for (; i + 4 * kLanes <= k; i += 4 * kLanes) {
-            const Vec x0 = Vec::loadu(x + i), x1 = Vec::loadu(x + i + kLanes);
-            const Vec x2 = Vec::loadu(x + i + 2 * kLanes), x3 = Vec::loadu(x + i + 3 * kLanes);
-            for (int64_t r = 0; r < R; r++) {
-                const float* row = wn + r * k + i;
-                a[4 * r] = at::vec::fmadd(Vec::loadu(row), x0, a[4 * r]);
-                a[4 * r + 1] = at::vec::fmadd(Vec::loadu(row + kLanes), x1, a[4 * r + 1]);
-                a[4 * r + 2] = at::vec::fmadd(Vec::loadu(row + 2 * kLanes), x2, a[4 * r + 2]);
-                a[4 * r + 3] = at::vec::fmadd(Vec::loadu(row + 3 * kLanes), x3, a[4 * r + 3]);
-            }
+            if constexpr (kFetch)
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t line = 0; line < 4 * kLanes; line += kLineFloats)
+                        __builtin_prefetch(wn + r * k + i + kF32PrefetchAhead + line, 0, 3);
+            Vec xs[4];
+            for (int64_t q = 0; q < 4; q++)
+                xs[q] = Vec::loadu(x + i + q * kLanes);
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t q = 0; q < 4; q++)
+                    a[4 * r + q] = at::vec::fmadd(Vec::loadu(wn + r * k + i + q * kLanes), xs[q],
+                                                  a[4 * r + q]);
         }
         for (int64_t r = 0; r < R; r++)
             y[n + r] = finish_row_f32(a[4 * r], a[4 * r + 1], a[4 * r + 2], a[4 * r + 3],
                                       wn + r * k, x, i, k) +
                        (b ? b[n + r] : 0.f);
     }
-    linear_one_row_f32_rows<false>(y, x, w, b, n, end, k);
+    if constexpr (R > 1)
+        linear_one_row_f32_rows<1, kFetch>(y, x, w, b, n, end, k);
 }
 
 // All three sum each row in the same order: the fetches and the row order change the
@@ -138,11 +119,11 @@ DG_ONE_COPY void linear_one_row_f32_side_by_side(float* y, const float* x, const
 inline void linear_one_row_f32(float* y, const float* x, const float* w, const float* b,
                                int64_t begin, int64_t end, int64_t k) {
     if (rows_side_by_side())
-        linear_one_row_f32_side_by_side(y, x, w, b, begin, end, k);
+        linear_one_row_f32_rows<kF32RowsSideBySide, false>(y, x, w, b, begin, end, k);
     else if (fetch_weights_ahead())
-        linear_one_row_f32_rows<true>(y, x, w, b, begin, end, k);
+        linear_one_row_f32_rows<1, true>(y, x, w, b, begin, end, k);
     else
-        linear_one_row_f32_rows<false>(y, x, w, b, begin, end, k);
+        linear_one_row_f32_rows<1, false>(y, x, w, b, begin, end, k);
 }
 
 // A few rows times a matrix: y[m, n] = dot(x[m], W[n]) (+ b[n]) for x [M, k] and a
