@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from decodegraph.models.bundled import bundled_model_path
 from decodegraph.models.presets import get_preset_config, is_preset
 from decodegraph.models.registry import get_model_class
 from decodegraph.models.weights import CheckpointSlice
+
+if TYPE_CHECKING:
+    from decodegraph.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +99,21 @@ def get_model(
     dtype: torch.dtype,
     device: str | torch.device,
     path: Path | None = None,
+    platform: Platform | None = None,
 ) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and load its weights.
 
     Parameters are allocated uninitialised directly on the device in the target dtype
-    (no random init, no copy), then written from safetensors or, for
-    `load_format="dummy"` and presets, filled with random values.
+    (no random init, no copy), placed by `platform` (Platform.place_parameters), then
+    written from safetensors or, for `load_format="dummy"` and presets, filled with
+    random values.
     """
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config)
     model.eval()
+    if platform is not None:
+        platform.place_parameters(model)
     dummy = model_config.load_format == "dummy" or is_preset(model_config.model)
     if is_preset(model_config.model) and model_config.load_format == "safetensors":
         raise ValueError(

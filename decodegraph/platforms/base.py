@@ -197,6 +197,10 @@ class Platform:
 
     # ---------------------------------------------------------------- memory
 
+    def place_parameters(self, model: torch.nn.Module) -> None:
+        """Move the model's parameters, uninitialised and not yet loaded, where this
+        platform reads them fastest; by default they stay where they were allocated."""
+
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:

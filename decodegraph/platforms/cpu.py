@@ -193,15 +193,45 @@ class CpuPlatform(Platform):
         reads blocks scattered over tens of MB, and with 4 KiB pages most block reads
         miss the TLB (docs/performance.md). The tensor starts on a 2 MiB boundary of a
         slightly larger mapping, so that its first blocks (the ones a fresh engine
-        hands out first) are on huge pages too. The tensor holds the mapping; it is
-        unmapped with the tensor's storage."""
+        hands out first) are on huge pages too (_huge_page_bytes)."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        raw = torch.frombuffer(mapping, dtype=torch.uint8)
-        skip = -raw.data_ptr() % _HUGE_PAGE
-        cache = raw[skip : skip + nbytes].view(dtype).view(shape)
-        _advise_huge_pages(cache)
+        cache = _huge_page_bytes(nbytes).view(dtype).view(shape)
         return cache.to(device)  # the CPU device: the same tensor
+
+    def place_parameters(self, model: torch.nn.Module) -> None:
+        """Every parameter that owns its memory moves, before loading, into one
+        anonymous mapping on 2 MiB pages where the kernel allows (transparent huge pages
+        in "madvise" mode), packed at 64-byte boundaries.
+
+        A decode step streams every weight once; with 4 KiB pages the stream walks the
+        page tables every 4 KiB, and on 2 MiB pages one thread reads the weights faster
+        (docs/performance.md, "weights on huge pages"). Nothing is copied: parameters
+        are uninitialised until loading writes them (get_model), so loading's first
+        touches fault in huge pages directly. Tied parameters move once; a parameter
+        that is a view of a larger tensor stays where it is.
+        DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS=0 leaves every parameter where it is."""
+        setting = os.environ.get("DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS", "1")
+        if setting not in ("0", "1"):
+            raise ValueError(f"DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS must be 0 or 1; got {setting!r}")
+        if setting == "0":
+            return
+        params = [
+            p
+            for p in model.parameters()  # a tied parameter once
+            if p.device.type == "cpu"
+            and p.storage_offset() == 0
+            and p.is_contiguous()
+            and p.untyped_storage().nbytes() == p.nbytes
+        ]
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.nbytes // _PARAMETER_ALIGNMENT) * _PARAMETER_ALIGNMENT
+        if total == 0:
+            return
+        arena = _huge_page_bytes(total)
+        for p, offset in zip(params, offsets, strict=True):
+            p.data = arena[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
 
     def memory_allocated(self) -> int:
         """Resident memory of this process (what graph capture adds shows up here)."""
@@ -222,6 +252,23 @@ class CpuPlatform(Platform):
 
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20
+# Where place_parameters packs parameters: a cache line (and every dtype's alignment).
+_PARAMETER_ALIGNMENT = 64
+
+
+def _huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` zero bytes (uint8) of an anonymous private mapping of their own, from a
+    2 MiB boundary of a slightly larger mapping, advised onto transparent huge pages.
+
+    The pages read as zeros until first written (POSIX guarantees it) and are faulted in
+    when first touched, huge where the advice holds. Every tensor viewing the bytes
+    holds the mapping; it is unmapped with the last one's storage."""
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _HUGE_PAGE
+    data = raw[skip : skip + nbytes]
+    _advise_huge_pages(data)
+    return data
 
 
 def _advise_huge_pages(tensor: torch.Tensor) -> None:

@@ -120,7 +120,7 @@ class ModelRunner:
     def load_model(self, path: object = None) -> None:
         """Load the weights, then set up what follows from the model's attention groups."""
         mc = self.config.model_config
-        self.model = get_model(mc, self.hf_config, self.dtype, self.device, path)
+        self.model = get_model(mc, self.hf_config, self.dtype, self.device, path, self.platform)
         groups = self.groups = build_attention_groups(
             self.model, get_attn_backend(self.platform), self.block_size, self.max_model_len
         )

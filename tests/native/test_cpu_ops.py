@@ -118,9 +118,10 @@ def test_rows_side_by_side_or_one_at_a_time_give_the_same_bits(
     cpu_ops: object,
     tmp_path,  # noqa: ANN001
 ) -> None:
-    """Four rows read side by side (Intel's default with 16-lane vectors) against one
-    row after another: each row summed in the same order, rows left over (n = 1001, 3, 257
-    are not multiples of four) included."""
+    """Rows read side by side, far apart (six with 16-lane vectors, three with 8-lane
+    ones; Intel's default for some row lengths), against one row after another: each row
+    summed in the same order, rows left over (n = 1001, 3, 257 are not multiples of six or
+    three) included."""
     off, on = outputs_under_settings(_WEIGHTS_AHEAD, "DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE", tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
 

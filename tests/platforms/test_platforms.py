@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import itertools
 import logging
 import os
 import subprocess
@@ -22,9 +23,10 @@ from decodegraph.attention.backends.torch_paged import (
     CPUAttentionBackend,
     CUDATorchAttentionBackend,
 )
-from decodegraph.config import CompilationConfig, DeviceConfig
+from decodegraph.config import CompilationConfig, DeviceConfig, ModelConfig
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.modes import CUDAGraphMode
+from decodegraph.models.loader import get_model, load_hf_config
 from decodegraph.platforms import get_platform, platform_names
 from decodegraph.platforms.base import Platform
 from decodegraph.platforms.cpu import CpuPlatform
@@ -317,6 +319,80 @@ def test_cpu_kv_caches_are_not_written_at_start_up_and_outlive_their_mapping_nam
     cache[-1].fill_(1.5)
     assert cache[-1].eq(1.5).all() and not cache[0].any()
     assert cache.is_contiguous()
+
+
+class _Weights(torch.nn.Module):
+    """Parameters of every kind place_parameters meets: large and small, bf16, tied, and
+    one that views a larger tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.empty(1024, 1536), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.empty(7), requires_grad=False)
+        self.bf16 = torch.nn.Parameter(torch.empty(3, 1000, dtype=torch.bfloat16))
+        self.head = torch.nn.Linear(16, 8, bias=False)
+        self.tied = torch.nn.Linear(16, 8, bias=False)
+        self.tied.weight = self.head.weight
+        self.backing = torch.zeros(4, 16)
+        self.view = torch.nn.Parameter(self.backing[1:3], requires_grad=False)
+
+
+def test_cpu_parameters_are_packed_into_one_huge_page_mapping_before_loading(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS", raising=False)
+    model = _Weights()
+    before = {name: (p, p.shape, p.dtype) for name, p in model.named_parameters()}
+    view_ptr = model.view.data_ptr()
+    CpuPlatform().place_parameters(model)
+    # The same Parameter objects, shapes and dtypes; the tie kept; the view left alone.
+    for name, p in model.named_parameters():
+        assert (p, p.shape, p.dtype) == before[name]
+    assert model.tied.weight.data_ptr() == model.head.weight.data_ptr()
+    assert model.view.data_ptr() == view_ptr
+    moved = sorted((p.data_ptr(), p.nbytes) for n, p in model.named_parameters() if n != "view")
+    assert moved[0][0] % (2 << 20) == 0
+    for (start, nbytes), (next_start, _) in itertools.pairwise(moved):
+        assert start % 64 == 0 and start + nbytes <= next_start < start + nbytes + 64
+    # Writable, and each parameter's own memory.
+    for i, p in enumerate(model.parameters()):
+        p.data.fill_(i + 1)
+    for i, p in enumerate(model.parameters()):
+        assert p.eq(i + 1).all()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    assert _thp_eligible(model.big.data_ptr())
+
+
+def test_cpu_parameters_stay_put_when_switched_off_and_a_bad_switch_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _Weights()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    monkeypatch.setenv("DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS", "0")
+    CpuPlatform().place_parameters(model)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    monkeypatch.setenv("DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match="DECODEGRAPH_CPU_HUGE_PAGE_WEIGHTS"):
+        CpuPlatform().place_parameters(model)
+
+
+def test_get_model_loads_into_the_placed_parameters(stories_dir: Path) -> None:
+    # The engine's path (the platform places, then loading writes) gives the same
+    # weights as loading where the parameters were allocated.
+    mc = ModelConfig(model=str(stories_dir))
+    hf_config = load_hf_config(mc)
+    placed = get_model(mc, hf_config, torch.float32, "cpu", platform=CpuPlatform())
+    plain = get_model(mc, hf_config, torch.float32, "cpu")
+    weights = dict(plain.named_parameters())
+    starts = []
+    for name, p in placed.named_parameters():
+        assert torch.equal(p, weights[name]), name
+        starts.append(p.data_ptr())
+    assert min(starts) % (2 << 20) == 0
+    hidden = torch.randn(1, hf_config.hidden_size)
+    assert torch.equal(placed.compute_logits(hidden), plain.compute_logits(hidden))
 
 
 _PICKED_ISA = """

@@ -3,15 +3,14 @@
 // single row on one thread, so a decode step at batch 1 reads its weights at one core's
 // bandwidth whatever the thread count (docs/performance.md); the caller splits the output
 // rows over torch's intra-op threads instead. Each row is summed with four accumulators.
-// Where the CPU is not an Intel one with 16-lane vectors, a thread reads its rows one
-// after another: one sequential stream through W (four rows read side by side, sharing
-// each load of x, were slower on a large W on an AMD EPYC: docs/performance.md), every
-// cache line of it fetched a little ahead in software (the hardware prefetcher alone left
-// the stream below a plain sum's rate on an Intel Xeon, where it stops at each 4 KiB
-// page; on an AMD Zen 4 a float32 stream alone ran a tenth faster without the fetches,
-// but a model's batch-1 step did not measurably). On an Intel core with 16-lane vectors
-// it reads four rows side by side with no software fetches, which streamed faster there
-// than the one fetched stream (rows_side_by_side). The same bits either way.
+// A thread mostly reads its rows one after another: one sequential stream through W
+// (four neighbouring rows read side by side, sharing each load of x, were slower on a
+// large W on an AMD EPYC: docs/performance.md), every cache line of it fetched a little
+// ahead in software (the hardware prefetcher alone left the stream below a plain sum's
+// rate on an Intel Xeon, where it stops at each 4 KiB page; on an AMD Zen 4 a float32
+// stream alone ran a tenth faster without the fetches, but a model's batch-1 step did not
+// measurably). On Intel cores, rows of some lengths are read several at a time, far
+// apart, with no software fetches (rows_side_by_side). The same bits either way.
 //
 // bfloat16 weights (and bias, and output) are summed in float32 against a float32 x (the
 // caller widens a bf16 activation once per call): each bf16 product is exact in float32,
@@ -51,18 +50,26 @@ inline bool fetch_weights_ahead() {
     return yes;
 }
 
-// Rows linear_one_row_f32 reads side by side where it does (kF32RowsSideBySide streams at
-// once, each summed exactly as a row alone is), decided once per process: on Intel cores
-// with 16-lane vectors, where four streams left to the hardware prefetcher read faster
-// than one stream fetched ahead in software (docs/performance.md, "rows side by side"); on
-// AMD cores one stream was the faster (docs/performance.md, "one stream through the
-// weights"), and with 8-lane vectors four rows' 16 accumulators and x would not fit in
-// the 16 registers. DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 overrides it.
-constexpr int64_t kF32RowsSideBySide = 4;
-inline bool rows_side_by_side() {
-    static const bool yes =
-        env_switch("DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE", kLanes == 16 && cpu_is_intel());
-    return yes;
+// Whether linear_one_row_f32 reads rows of k values side by side (kF32RowsSideBySide
+// streams at once, far apart, each summed exactly as a row alone is) rather than one
+// stream fetched ahead in software. On Intel cores, for rows of 2048 < k < 6144 values:
+// with the weights on 2 MiB pages (CpuPlatform.place_parameters), the one fetched stream
+// read rows of such lengths more slowly than shorter and longer ones, and slower than
+// distant rows side by side, on both vector widths; at other lengths it was the faster
+// (docs/performance.md, "weights on huge pages"). On AMD cores one stream was the faster
+// at every length measured (docs/performance.md, "one stream through the weights").
+// Six rows with 16-lane vectors, three with 8-lane ones: their accumulators and x fill
+// the 32 or 16 registers. DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 sets it for every k.
+constexpr int64_t kF32RowsSideBySide = kLanes == 16 ? 6 : 3;
+constexpr int64_t kSideBySideAboveK = 2048, kSideBySideBelowK = 6144;
+inline bool rows_side_by_side(int64_t k) {
+    static const char* kVar = "DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE";
+    static const bool set = env_switch(kVar, false) || !env_switch(kVar, true);
+    static const bool forced = env_switch(kVar, false);
+    static const bool intel = cpu_is_intel();
+    if (set)
+        return forced;
+    return intel && k > kSideBySideAboveK && k < kSideBySideBelowK;
 }
 
 // The end of one output: a row's four accumulators over its whole blocks of 4 vectors
@@ -80,14 +87,18 @@ DG_ONE_COPY float finish_row_f32(Vec a0, Vec a1, Vec a2, Vec a3, const float* wn
 
 // R rows at a time (the rows left over one at a time), each with its own four
 // accumulators, every load of x shared by the R rows; with kFetch every cache line of
-// each row's stream is fetched kF32PrefetchAhead values ahead in software.
+// each row's stream is fetched kF32PrefetchAhead values ahead in software. The R rows of
+// a step are 1/R of [begin, end) apart: R streams through distant pages rather than one
+// region read in R interleaved pieces.
 template <int64_t R, bool kFetch>
 DG_ONE_COPY void linear_one_row_f32_rows(float* y, const float* x, const float* w,
                                          const float* b, int64_t begin, int64_t end,
                                          int64_t k) {
-    int64_t n = begin;
-    for (; n + R <= end; n += R) {
-        const float* wn = w + n * k;
+    const int64_t steps = (end - begin) / R;  // the rows [begin, begin + R * steps)
+    for (int64_t n = begin; n < begin + steps; n++) {
+        std::array<const float*, R> wr;  // rows n, n + steps, ...
+        for (int64_t r = 0; r < R; r++)
+            wr[r] = w + (n + r * steps) * k;
         std::array<Vec, 4 * R> a;
         for (int64_t j = 0; j < 4 * R; j++)
             a[j] = Vec(0.f);
@@ -96,29 +107,29 @@ DG_ONE_COPY void linear_one_row_f32_rows(float* y, const float* x, const float* 
             if constexpr (kFetch)
                 for (int64_t r = 0; r < R; r++)
                     for (int64_t line = 0; line < 4 * kLanes; line += kLineFloats)
-                        __builtin_prefetch(wn + r * k + i + kF32PrefetchAhead + line, 0, 3);
+                        __builtin_prefetch(wr[r] + i + kF32PrefetchAhead + line, 0, 3);
             Vec xs[4];
             for (int64_t q = 0; q < 4; q++)
                 xs[q] = Vec::loadu(x + i + q * kLanes);
             for (int64_t r = 0; r < R; r++)
                 for (int64_t q = 0; q < 4; q++)
-                    a[4 * r + q] = at::vec::fmadd(Vec::loadu(wn + r * k + i + q * kLanes), xs[q],
-                                                  a[4 * r + q]);
+                    a[4 * r + q] =
+                        at::vec::fmadd(Vec::loadu(wr[r] + i + q * kLanes), xs[q], a[4 * r + q]);
         }
         for (int64_t r = 0; r < R; r++)
-            y[n + r] = finish_row_f32(a[4 * r], a[4 * r + 1], a[4 * r + 2], a[4 * r + 3],
-                                      wn + r * k, x, i, k) +
-                       (b ? b[n + r] : 0.f);
+            y[n + r * steps] = finish_row_f32(a[4 * r], a[4 * r + 1], a[4 * r + 2],
+                                              a[4 * r + 3], wr[r], x, i, k) +
+                               (b ? b[n + r * steps] : 0.f);
     }
     if constexpr (R > 1)
-        linear_one_row_f32_rows<1, kFetch>(y, x, w, b, n, end, k);
+        linear_one_row_f32_rows<1, kFetch>(y, x, w, b, begin + R * steps, end, k);
 }
 
 // All three sum each row in the same order: the fetches and the row order change the
 // time, never the bits.
 inline void linear_one_row_f32(float* y, const float* x, const float* w, const float* b,
                                int64_t begin, int64_t end, int64_t k) {
-    if (rows_side_by_side())
+    if (rows_side_by_side(k))
         linear_one_row_f32_rows<kF32RowsSideBySide, false>(y, x, w, b, begin, end, k);
     else if (fetch_weights_ahead())
         linear_one_row_f32_rows<1, true>(y, x, w, b, begin, end, k);
