@@ -259,7 +259,7 @@ class ModelRunner:
         and padded key): every rank runs it, or refuses the step if its own graphs say
         otherwise (no rank ever replays while another runs eager)."""
         if so.num_steps > 1:
-            output = self._execute_multi_step_graph(so, plan)
+            output = self._execute_greedy_multi_step(so, plan)
             if output is not None:
                 return output
         output, batch = self._execute_step(so, plan)
@@ -270,20 +270,29 @@ class ModelRunner:
                 output.later_steps.append(step_output)
         return output
 
-    def _execute_multi_step_graph(
+    def _execute_greedy_multi_step(
         self, so: SchedulerOutput, plan: StepPlan | None
     ) -> ModelRunnerOutput | None:
-        """A multi-step batch as one graph replay, where there is a graph for its size and
-        number of steps and one argmax is all its sampling (every request greedy with
-        nothing that edits logits, no logprobs, grammars or prompt logprobs): the graph
-        feeds each step's argmax to the next. None where it cannot (the caller runs the
-        steps one by one); the batch's inputs are not written then."""
+        """A multi-step batch whose sampling is one argmax a step, the full decode graph's
+        own (every request greedy with nothing that edits logits; no new or resumed
+        request, logprobs, grammars or prompt logprobs), at a size that replays a full
+        decode graph, on one rank (under tensor parallelism rank 0 samples and
+        broadcasts): one replay of its multi-step graph where there is one for its size
+        and number of steps, else the one-step graph replayed once per step, each step's
+        argmax written as the next step's token (`InputBatch.advance`), with none of a
+        step's sampler, runner output or request-delta work between them. Either way
+        the requests' states end as the steps one by one leave them. None where it
+        cannot (the caller runs the steps one by one); the inputs are not written then."""
         graphs = self.graph_runner
         n = so.num_reqs
         steps_key = graphs.multi_step_key(n, so.num_steps)
+        if steps_key is None and (
+            self.tp_group.world_size > 1
+            or graphs.dispatcher.dispatch(BatchDescriptor(n, n, True)).mode is not RuntimeMode.FULL
+        ):
+            return None
         if (
-            steps_key is None
-            or so.scheduled_new_reqs
+            so.scheduled_new_reqs
             or so.total_num_scheduled_tokens != n
             or self.requests.num_with_grammar
             or self.requests.collecting_prompt_logprobs
@@ -295,6 +304,25 @@ class ModelRunner:
         if not self.step_sampler.metadata([self.requests[r] for r in so.req_ids]).is_fast_greedy:
             return None
         states = self.requests.update(so)
+        if steps_key is not None:
+            rows = self._replay_multi_step_graph(so, states, plan, steps_key)
+        else:
+            rows = self._replay_steps(so, states, plan)
+        output = ModelRunnerOutput(so.req_ids, rows[0])
+        output.later_steps = [ModelRunnerOutput(so.req_ids, ids) for ids in rows[1:]]
+        return output
+
+    def _replay_multi_step_graph(
+        self,
+        so: SchedulerOutput,
+        states: list[CachedRequestState],
+        plan: StepPlan | None,
+        steps_key: BatchDescriptor,
+    ) -> list[list[int]]:
+        """Every step's ids [steps][rows] from one replay of the multi-step graph, then
+        appended to the states as the steps one by one would."""
+        graphs = self.graph_runner
+        n = so.num_reqs
         # A decode size's batch runs FULL (the multi-step graphs exist only then).
         mode = graphs.dispatch(n, n, True, plan).mode
         batch = InputBatch.prepare(
@@ -303,7 +331,6 @@ class ModelRunner:
         with set_forward_context(self._eager_context):
             ids = graphs.replay(mode, steps_key, self._attention_metadata(batch))
         rows = ids[:, :n].tolist()
-        output = None
         for step, sampled in enumerate(rows):
             if step:
                 graphs.dispatch(n, n, True, plan)  # counted per step, as steps one by one
@@ -311,12 +338,25 @@ class ModelRunner:
                 if step:
                     state.num_computed_tokens += 1
                 state.append_output_token(tok)
-            step_output = ModelRunnerOutput(batch.req_ids, sampled)
-            if output is None:
-                output = step_output
-            else:
-                output.later_steps.append(step_output)
-        return output
+        return rows
+
+    def _replay_steps(
+        self, so: SchedulerOutput, states: list[CachedRequestState], plan: StepPlan | None
+    ) -> list[list[int]]:
+        """Every step's ids [steps][rows]: the one-step full graph replayed once per step,
+        its argmax appended to the states before the next step's inputs are written."""
+        n = so.num_reqs
+        batch = self._prepare_inputs(so, states, plan)
+        rows = []
+        for step in range(so.num_steps):
+            if step:
+                self.graph_runner.dispatch(n, n, True, plan)  # counted, and checked
+                batch = batch.advance(states, self.buffers)
+            sampled = self._forward(batch)[1].tolist()
+            for state, tok in zip(states, sampled, strict=True):
+                state.append_output_token(tok)
+            rows.append(sampled)
+        return rows
 
     def _execute_step(
         self, so: SchedulerOutput, plan: StepPlan | None, previous: InputBatch | None = None

@@ -144,6 +144,41 @@ def test_multi_step_batches_replay_graphs_and_give_single_step_ids(
     assert _ran(llm, before).get("FULL", 0) >= 19
 
 
+@pytest.mark.parametrize("mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_greedy_multi_step_batches_sample_with_the_graphs_argmax(
+    engine: Callable[..., LLM], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_scheduler_steps=5, no multi-step graph: a greedy batch replays the decode
+    graph once per step, each step's argmax the next step's token, and never calls the
+    sampler (it runs for the prompt step alone); the ids are single-step NONE's. With a
+    seeded sampled request beside a greedy one, every step goes through the sampler, with
+    the draws of single steps."""
+    llm = engine("stories", mode, "multi-step")
+    calls: list[int] = []
+    sampler = type(llm.llm_engine.runner.step_sampler)
+    original = sampler.__call__
+
+    def counted(self, states, *args):  # noqa: ANN001, ANN002, ANN202
+        calls.append(len(states))
+        return original(self, states, *args)
+
+    prompts = _prompts("stories", 3, (1, 15), seed=6)
+    expected = _run(engine("stories", "NONE"), prompts, 20)
+    monkeypatch.setattr(sampler, "__call__", counted)
+    before = dict(llm.llm_engine.runner.graph_runner.mode_counts)
+    assert _run(llm, prompts, 20) == expected
+    assert calls == [3]  # the prompt step's three requests
+    assert _ran(llm, before).get("FULL", 0) == 19
+
+    sampled = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
+    params = [greedy(20), sampled]
+    want = engine("stories", mode).generate(prompts[:2], params, use_tqdm=False)
+    calls.clear()
+    got = llm.generate(prompts[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(calls) == 20  # the prompt step, then each of the 19 decode steps
+
+
 def _batch_cases() -> Iterator[object]:
     for model in MODELS:
         for mode in GRAPH_MODES:
