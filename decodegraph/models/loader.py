@@ -106,7 +106,8 @@ def get_model(
     Parameters are allocated uninitialised directly on the device in the target dtype
     (no random init, no copy), placed by `platform` (Platform.place_parameters), then
     written from safetensors or, for `load_format="dummy"` and presets, filled with
-    random values.
+    random values; then the layers' `process_weights_after_loading` and the platform's
+    `tune_for_weights`.
     """
     model_cls = get_model_class(hf_config)
     with _default_dtype(dtype), torch.device(device):
@@ -125,8 +126,7 @@ def get_model(
                 "%s has no weights: using random ones (text will be noise)", model_config.model
             )
         initialize_dummy_weights(model, model_config.seed)
-        process_weights_after_loading(model)
-        return model
+        return _after_loading(model, platform)
     if path is None:
         path = resolve_model_path(model_config.model, model_config.revision)
     loaded = model.load_weights(iterate_safetensors(path))
@@ -136,7 +136,14 @@ def get_model(
             f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
         )
         raise ValueError(f"checkpoint {path} is missing weights: {shown}")
+    return _after_loading(model, platform)
+
+
+def _after_loading(model: nn.Module, platform: Platform | None) -> nn.Module:
+    """The layers' hooks, then the platform's choices that depend on the loaded weights."""
     process_weights_after_loading(model)
+    if platform is not None:
+        platform.tune_for_weights(model)
     return model
 
 

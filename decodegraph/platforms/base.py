@@ -201,6 +201,11 @@ class Platform:
         """Move the model's parameters, uninitialised and not yet loaded, where this
         platform reads them fastest; by default they stay where they were allocated."""
 
+    def tune_for_weights(self, model: torch.nn.Module) -> None:
+        """After loading: choose whatever depends on how this machine reads the loaded
+        weights (the CPU's batch-1 projection measures its row order); by default
+        nothing."""
+
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:

@@ -233,6 +233,13 @@ class CpuPlatform(Platform):
         for p, offset in zip(params, offsets, strict=True):
             p.data = arena[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
 
+    def tune_for_weights(self, model: torch.nn.Module) -> None:
+        """The batch-1 float32 projection's row order, timed both ways over the loaded
+        weights where they outgrow the caches (platforms/cpu_projection.py)."""
+        from decodegraph.platforms.cpu_projection import choose_projection_rows
+
+        choose_projection_rows(model)
+
     def memory_allocated(self) -> int:
         """Resident memory of this process (what graph capture adds shows up here)."""
         try:

@@ -9,8 +9,9 @@
 // ahead in software (the hardware prefetcher alone left the stream below a plain sum's
 // rate on an Intel Xeon, where it stops at each 4 KiB page; on an AMD Zen 4 a float32
 // stream alone ran a tenth faster without the fetches, but a model's batch-1 step did not
-// measurably). On Intel cores, rows of some lengths are read several at a time, far
-// apart, with no software fetches (rows_side_by_side). The same bits either way.
+// measurably). Where the CPU platform measured it the faster (on Intel cores before any
+// measurement: rows of some lengths), rows are read several at a time, far apart, with no
+// software fetches (rows_side_by_side). The same bits either way.
 //
 // bfloat16 weights (and bias, and output) are summed in float32 against a float32 x (the
 // caller widens a bf16 activation once per call): each bf16 product is exact in float32,
@@ -21,6 +22,7 @@
 #define DECODEGRAPH_LINEAR_H
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -52,16 +54,29 @@ inline bool fetch_weights_ahead() {
 
 // Whether linear_one_row_f32 reads rows of k values side by side (kF32RowsSideBySide
 // streams at once, far apart, each summed exactly as a row alone is) rather than one
-// stream fetched ahead in software. On Intel cores, for rows of 2048 < k < 6144 values:
-// with the weights on 2 MiB pages (CpuPlatform.place_parameters), the one fetched stream
-// read rows of such lengths more slowly than shorter and longer ones, and slower than
-// distant rows side by side, on both vector widths; at other lengths it was the faster
-// (docs/performance.md, "weights on huge pages"). On AMD cores one stream was the faster
-// at every length measured (docs/performance.md, "one stream through the weights").
+// stream fetched ahead in software. Which is the faster depends on the machine, not only
+// on its vendor: on an Intel Xeon with the weights on 2 MiB pages
+// (CpuPlatform.place_parameters) the one fetched stream read rows of 2048 < k < 6144 values
+// more slowly than shorter and longer ones, and slower than distant rows side by side, on
+// both vector widths; at other lengths it was the faster. On one AMD Zen 4 VM six rows side
+// by side were the faster at every length and both widths, where another Zen 4 VM's one
+// stream alone reached a plain sum's rate (docs/performance.md, "weights on huge pages",
+// "six rows side by side on a Zen 4"). So the CPU platform measures both on a loaded
+// model's weights once per process and sets the faster for every k
+// (set_rows_side_by_side); until it does, or where it did not (weights that fit the
+// caches), Intel cores take the rule above and other cores one stream.
+// DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 sets it for every k, over both.
 // Six rows with 16-lane vectors, three with 8-lane ones: their accumulators and x fill
-// the 32 or 16 registers. DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 sets it for every k.
+// the 32 or 16 registers.
 constexpr int64_t kF32RowsSideBySide = kLanes == 16 ? 6 : 3;
 constexpr int64_t kSideBySideAboveK = 2048, kSideBySideBelowK = 6144;
+
+// The measured choice: -1 none (the vendor rule), 0 one stream, 1 side by side.
+inline std::atomic<int>& rows_side_by_side_choice() {
+    static std::atomic<int> choice{-1};
+    return choice;
+}
+
 inline bool rows_side_by_side(int64_t k) {
     static const char* kVar = "DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE";
     static const bool set = env_switch(kVar, false) || !env_switch(kVar, true);
@@ -69,6 +84,9 @@ inline bool rows_side_by_side(int64_t k) {
     static const bool intel = cpu_is_intel();
     if (set)
         return forced;
+    const int choice = rows_side_by_side_choice().load(std::memory_order_relaxed);
+    if (choice >= 0)
+        return choice == 1;
     return intel && k > kSideBySideAboveK && k < kSideBySideBelowK;
 }
 
