@@ -110,7 +110,7 @@ def choose_projection_rows(model: torch.nn.Module) -> int | None:
         return None
     timed = first_bytes(weights, max(PASS_BYTES, 2 * llc))
     nbytes = sum(w.nbytes for w in timed)
-    inputs = {w.shape[1]: torch.zeros(1, w.shape[1]) for w in timed}
+    inputs = {w.shape[1]: torch.zeros(1, w.shape[1], dtype=torch.float32) for w in timed}
     seconds: dict[int, list[float]] = {ONE_STREAM: [], SIDE_BY_SIDE: []}
     orders = (ONE_STREAM, SIDE_BY_SIDE)
     with torch.inference_mode():
