@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from decodegraph import native
-from decodegraph.layers.linear import one_row_linear
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +60,9 @@ def last_level_cache_bytes() -> int:
 
 
 def projection_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The float32 weights a batch-1 step reads through linear_one_row, each once: the
-    layers' (ReplicatedLinear.one_row) in the model's order, then the LM head's
-    (`logits_one_row`)."""
+    """The float32 weights a batch-1 step reads through linear_one_row, each once: those
+    of the modules whose `one_row` is set (ReplicatedLinear's, once loaded) in the
+    model's order, then the LM head of a model whose `logits_one_row` is set."""
     layers: dict[int, torch.Tensor] = {}
     heads: dict[int, torch.Tensor] = {}
     for module in model.modules():
@@ -72,7 +71,7 @@ def projection_weights(model: torch.nn.Module) -> list[torch.Tensor]:
         if getattr(module, "logits_one_row", None) is not None:
             heads.setdefault(id(module.lm_head.weight), module.lm_head.weight)
     weights = [*layers.values(), *(w for key, w in heads.items() if key not in layers)]
-    return [w for w in weights if w.dtype == torch.float32 and one_row_linear(w)]
+    return [w for w in weights if w.dtype == torch.float32]
 
 
 def first_bytes(weights: list[torch.Tensor], budget: int) -> list[torch.Tensor]:
