@@ -234,7 +234,7 @@ class CpuPlatform(Platform):
             p.data = arena[offset : offset + p.nbytes].view(p.dtype).view(p.shape)
 
     def tune_for_weights(self, model: torch.nn.Module) -> None:
-        """The batch-1 float32 projection's row order, timed both ways over the loaded
+        """The batch-1 projection's row order, timed both ways over the loaded
         weights where they outgrow the caches (platforms/cpu_projection.py)."""
         from decodegraph.platforms.cpu_projection import choose_projection_rows
 

@@ -1,8 +1,8 @@
-"""How the CPU's batch-1 float32 projection reads a loaded model's weights, measured.
+"""How the CPU's batch-1 projection reads a loaded model's weights, measured.
 
-`linear_one_row` (csrc/linear.h) reads a thread's weight rows either as one stream, each
-cache line fetched ahead in software, or several rows at a time, far apart, left to the
-hardware prefetcher. Every row is summed in the same order either way, so the bits are
+`linear_one_row` (csrc/linear.h) reads a thread's float32 or bfloat16 weight rows either
+as one stream, fetched ahead in software, or several rows at a time, far apart, left to
+the hardware prefetcher. Every row is summed in the same order either way, so the bits are
 the same; the time is not, and which order is the faster depends on the machine (two
 AMD Zen 4 VMs disagreed; an Intel Xeon preferred each for some row lengths:
 docs/performance.md). So once per process, after loading, the CPU platform times both
@@ -27,7 +27,7 @@ from decodegraph import native
 logger = logging.getLogger(__name__)
 
 ENV = "DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE"
-# Measured only where the projection's float32 weights are at least this many times the
+# Measured only where the projection's weights are at least this many times the
 # last-level cache: a step then streams them from memory.
 CACHE_MULTIPLE = 2
 # Without a last-level cache size from sysfs.
@@ -60,7 +60,7 @@ def last_level_cache_bytes() -> int:
 
 
 def projection_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The float32 weights a batch-1 step reads through linear_one_row, each once: those
+    """The weights a batch-1 step reads through linear_one_row, each once: those
     of the modules whose `one_row` is set (ReplicatedLinear's, once loaded) in the
     model's order, then the LM head of a model whose `logits_one_row` is set."""
     layers: dict[int, torch.Tensor] = {}
@@ -71,7 +71,7 @@ def projection_weights(model: torch.nn.Module) -> list[torch.Tensor]:
         if getattr(module, "logits_one_row", None) is not None:
             heads.setdefault(id(module.lm_head.weight), module.lm_head.weight)
     weights = [*layers.values(), *(w for key, w in heads.items() if key not in layers)]
-    return [w for w in weights if w.dtype == torch.float32]
+    return [w for w in weights if w.dtype in (torch.float32, torch.bfloat16)]
 
 
 def first_bytes(weights: list[torch.Tensor], budget: int) -> list[torch.Tensor]:
@@ -86,11 +86,12 @@ def first_bytes(weights: list[torch.Tensor], budget: int) -> list[torch.Tensor]:
     return taken
 
 
-def time_pass(ops: object, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> float:
-    """Seconds for one batch-1 product with each weight in turn."""
+def time_pass(ops: object, weights: list[torch.Tensor], inputs: dict[tuple, torch.Tensor]) -> float:
+    """Seconds for one batch-1 product with each weight in turn (`inputs`: an x for each
+    row length and dtype)."""
     start = time.perf_counter()
     for w in weights:
-        ops.linear_one_row(inputs[w.shape[1]], w, None)
+        ops.linear_one_row(inputs[w.shape[1], w.dtype], w, None)
     return time.perf_counter() - start
 
 
@@ -109,7 +110,7 @@ def choose_projection_rows(model: torch.nn.Module) -> int | None:
         return None
     timed = first_bytes(weights, max(PASS_BYTES, 2 * llc))
     nbytes = sum(w.nbytes for w in timed)
-    inputs = {w.shape[1]: torch.zeros(1, w.shape[1], dtype=torch.float32) for w in timed}
+    inputs = {(w.shape[1], w.dtype): torch.zeros(1, w.shape[1], dtype=w.dtype) for w in timed}
     seconds: dict[int, list[float]] = {ONE_STREAM: [], SIDE_BY_SIDE: []}
     orders = (ONE_STREAM, SIDE_BY_SIDE)
     with torch.inference_mode():
@@ -130,9 +131,10 @@ def choose_projection_rows(model: torch.nn.Module) -> int | None:
     ops.set_rows_side_by_side(choice)
     names = {ONE_STREAM: "one stream", SIDE_BY_SIDE: "rows side by side"}
     logger.info(
-        "batch-1 projection over %d MiB of float32 weights: one stream %.1f GB/s, rows "
-        "side by side %.1f GB/s; reading them %s (%s=0/1 decides instead)",
+        "batch-1 projection over %d MiB of %s weights: one stream %.1f GB/s, rows side "
+        "by side %.1f GB/s; reading them %s (%s=0/1 decides instead)",
         nbytes >> 20,
+        "/".join(sorted({str(w.dtype).removeprefix("torch.") for w in timed})),
         nbytes / one / 1e9,
         nbytes / side / 1e9,
         names.get(choice, "by the vendor rule (neither was faster)"),

@@ -98,6 +98,11 @@ for n, k in [(1001, 7), (1001, 344), (3, 4864), (257, 4865)]:
     err = (ops.linear_one_row(x, w, None).double() - exact).abs().max().item()
     assert err <= 4 * (torch.mm(x, w.t()).double() - exact).abs().max().item() + 1e-5
     outs.append(ops.linear_one_row(x, w, None))
+for n, k in [(1001, 344), (257, 4865), (130, 70)]:
+    gen = torch.Generator().manual_seed(n * k)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen).bfloat16()
+    outs.append(ops.linear_one_row(x.bfloat16(), w.bfloat16(), b))
 torch.save(outs, sys.argv[1])
 """
 
@@ -118,10 +123,10 @@ def test_rows_side_by_side_or_one_at_a_time_give_the_same_bits(
     cpu_ops: object,
     tmp_path,  # noqa: ANN001
 ) -> None:
-    """Rows read side by side, far apart (six with 16-lane vectors, three with 8-lane
-    ones; Intel's default for some row lengths), against one row after another: each row
-    summed in the same order, rows left over (n = 1001, 3, 257 are not multiples of six or
-    three) included."""
+    """Rows read side by side, far apart (float32: six with 16-lane vectors, three with
+    8-lane ones; bfloat16: four or two), against one row after another: each row summed
+    in the same order, rows left over (n = 1001, 3, 257, 130 are not multiples of them)
+    included."""
     off, on = outputs_under_settings(_WEIGHTS_AHEAD, "DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE", tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
 

@@ -34,14 +34,15 @@ def ops(cpu_ops: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 
 
 class _Model(nn.Module):
-    """Projections of float32 weights, one bf16 one and one too small for the operator,
-    and an LM head read by the batch-1 product (as the models' `logits_one_row`)."""
+    """Projections of `dtype` weights, one float16 one (the operator does not take it) and
+    one too small for the operator, and an LM head read by the batch-1 product (as the
+    models' `logits_one_row`)."""
 
-    def __init__(self, layers: int = 3) -> None:
+    def __init__(self, layers: int = 3, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.lm_head = nn.Linear(256, 512, bias=False)
-        self.layers = nn.ModuleList(ReplicatedLinear(256, 384) for _ in range(layers))
-        self.bf16 = ReplicatedLinear(256, 384).to(torch.bfloat16)
+        self.lm_head = nn.Linear(256, 512, bias=False, dtype=dtype)
+        self.layers = nn.ModuleList(ReplicatedLinear(256, 384).to(dtype) for _ in range(layers))
+        self.fp16 = ReplicatedLinear(256, 384).to(torch.float16)
         self.small = ReplicatedLinear(16, 16)
         with torch.no_grad():
             for p in self.parameters():
@@ -52,8 +53,11 @@ class _Model(nn.Module):
         self.logits_one_row = one_row_linear(self.lm_head.weight)
 
 
-def test_the_weights_measured_are_the_float32_projections_then_the_lm_head(ops: object) -> None:
-    model = _Model()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_weights_measured_are_the_projections_then_the_lm_head(
+    ops: object, dtype: torch.dtype
+) -> None:
+    model = _Model(dtype=dtype)
     weights = projection_weights(model)
     assert [w.data_ptr() for w in weights] == [
         *(layer.weight.data_ptr() for layer in model.layers),
@@ -103,15 +107,16 @@ def test_weights_beyond_the_cache_are_timed_both_ways_and_the_faster_order_kept(
     assert "one stream" in caplog.text and f"{ENV}=0/1" in caplog.text
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_real_measurement_sets_an_order_and_changes_no_bits(
-    ops: object, monkeypatch: pytest.MonkeyPatch
+    ops: object, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     """Unpatched timings on weights made to outgrow a pretend cache: whichever order it
     keeps, every projection gives the bits it gave before."""
     monkeypatch.setattr(cpu_projection, "last_level_cache_bytes", lambda: 64 << 10)
     monkeypatch.setattr(cpu_projection, "PASS_BYTES", 1 << 20)
-    model = _Model()
-    x = torch.randn(1, 256)
+    model = _Model(dtype=dtype)
+    x = torch.randn(1, 256, dtype=dtype)
     before = [layer(x) for layer in model.layers]
     choice = choose_projection_rows(model)
     assert choice in (ONE_STREAM, SIDE_BY_SIDE, VENDOR_RULE)
@@ -123,17 +128,21 @@ def test_a_real_measurement_sets_an_order_and_changes_no_bits(
 
 def test_either_order_gives_the_same_bits(ops: object) -> None:
     """Set in the process (as the measurement does), rows side by side and one stream
-    sum every row in the same order: rows left over by six or three included."""
+    sum every row in the same order, float32 and bfloat16 (with a bias): rows left over
+    by the rows read at once, and values past the last whole vector, included."""
     gen = torch.Generator().manual_seed(0)
-    cases = [
-        (torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen))
-        for n, k in [(1001, 344), (257, 4865), (3, 896)]
-    ]
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, k in [(1001, 344), (257, 4865), (3, 896), (130, 70)]:
+            x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+            bias = torch.randn(n, generator=gen).to(dtype) if dtype == torch.bfloat16 else None
+            cases.append((x.to(dtype), w.to(dtype), bias))
     outs = {}
     for choice in (ONE_STREAM, SIDE_BY_SIDE):
         ops.set_rows_side_by_side(choice)
         assert ops.rows_side_by_side(896) is (choice == SIDE_BY_SIDE)
-        outs[choice] = [ops.linear_one_row(x, w, None) for x, w in cases]
+        assert ops.rows_side_by_side(896, True) is (choice == SIDE_BY_SIDE)
+        outs[choice] = [ops.linear_one_row(x, w, b) for x, w, b in cases]
     for a, b in zip(outs[ONE_STREAM], outs[SIDE_BY_SIDE], strict=True):
         assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="-1, 0 or 1"):

@@ -416,15 +416,16 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
 
 std::string vector_isa_op() { return vector_isa(); }
 
-// The batch-1 float32 projection's row order as the CPU platform measured it (linear.h,
+// The batch-1 projection's row order as the CPU platform measured it (linear.h,
 // rows_side_by_side): 1 rows side by side, 0 one stream, -1 the vendor rule again.
 void set_rows_side_by_side(int64_t choice) {
     TORCH_CHECK(choice >= -1 && choice <= 1, "set_rows_side_by_side: -1, 0 or 1; got ", choice);
     rows_side_by_side_choice().store(static_cast<int>(choice));
 }
 
-// Whether that projection reads rows of k values side by side, as things stand.
-bool rows_side_by_side_op(int64_t k) { return rows_side_by_side(k); }
+// Whether the batch-1 projection reads rows of k values (bf16 ones where bf16) side by
+// side, as things stand.
+bool rows_side_by_side_op(int64_t k, bool bf16) { return rows_side_by_side(k, bf16); }
 
 void cpu_allocator_install(int64_t cap_bytes) {
     TORCH_CHECK(cap_bytes >= 0, "cpu_allocator_install: cap_bytes must not be negative");
@@ -462,7 +463,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     // The vector code the library was built with: avx512, avx2, neon or scalar.
     m.def("vector_isa() -> str", &vector_isa_op);
     m.def("set_rows_side_by_side(int choice) -> ()", &set_rows_side_by_side);
-    m.def("rows_side_by_side(int k) -> bool", &rows_side_by_side_op);
+    m.def("rows_side_by_side(int k, bool bf16=False) -> bool", &rows_side_by_side_op);
     m.def("cpu_allocator_install(int cap_bytes) -> ()", &cpu_allocator_install);
     m.def("cpu_allocator_stats() -> int[]", &cpu_allocator_stats);
     m.def("cpu_allocator_trim() -> ()", &cpu_allocator_trim);

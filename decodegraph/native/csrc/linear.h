@@ -64,8 +64,9 @@ inline bool fetch_weights_ahead() {
 // "six rows side by side on a Zen 4"). So the CPU platform measures both on a loaded
 // model's weights once per process and sets the faster for every k
 // (set_rows_side_by_side); until it does, or where it did not (weights that fit the
-// caches), Intel cores take the rule above and other cores one stream.
-// DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 sets it for every k, over both.
+// caches), Intel cores take the rule above for float32 rows, and every other row is one
+// stream. The choice covers linear_one_row_bf16's rows too (kBf16RowsSideBySide).
+// DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE=1 or 0 sets it for every k and both dtypes, over both.
 // Six rows with 16-lane vectors, three with 8-lane ones: their accumulators and x fill
 // the 32 or 16 registers.
 constexpr int64_t kF32RowsSideBySide = kLanes == 16 ? 6 : 3;
@@ -77,7 +78,7 @@ inline std::atomic<int>& rows_side_by_side_choice() {
     return choice;
 }
 
-inline bool rows_side_by_side(int64_t k) {
+inline bool rows_side_by_side(int64_t k, bool bf16 = false) {
     static const char* kVar = "DECODEGRAPH_CPU_ROWS_SIDE_BY_SIDE";
     static const bool set = env_switch(kVar, false) || !env_switch(kVar, true);
     static const bool forced = env_switch(kVar, false);
@@ -87,7 +88,7 @@ inline bool rows_side_by_side(int64_t k) {
     const int choice = rows_side_by_side_choice().load(std::memory_order_relaxed);
     if (choice >= 0)
         return choice == 1;
-    return intel && k > kSideBySideAboveK && k < kSideBySideBelowK;
+    return !bf16 && intel && k > kSideBySideAboveK && k < kSideBySideBelowK;
 }
 
 // The end of one output: a row's four accumulators over its whole blocks of 4 vectors
@@ -202,37 +203,82 @@ inline void widen_bf16_pairs(float* out, const uint16_t* in, int64_t k) {
 
 // y[n] = bf16(dot(x, W[n]) + b[n]) for a float32 x [k] in widen_bf16_pairs' order and bf16
 // W [n, k], b [n] (b may be null), over output rows [begin, end). The order of the sum
-// depends on k and the ISA alone, never on the rows a thread was given.
-DG_ONE_COPY inline void linear_one_row_bf16(uint16_t* y, const float* x, const uint16_t* w,
-                                            const uint16_t* b, int64_t begin, int64_t end,
-                                            int64_t k) {
+// depends on k and the ISA alone, never on the rows a thread was given, nor on how many
+// rows are read at once: one fetched stream, or kBf16RowsSideBySide far apart (as
+// linear_one_row_f32's, rows_side_by_side).
+// Four rows with 16-lane vectors, two with narrower ones: four accumulators each and
+// x's four vectors fit the registers.
+constexpr int64_t kBf16RowsSideBySide = kLanes == 16 ? 4 : 2;
+
+// The end of one bf16 output: a row's four accumulators over its whole pairs of blocks
+// (up to i), then its remaining whole blocks, the accumulators' sum, the last values and
+// the bias, rounded to bf16 once. One copy for every row count below.
+DG_ONE_COPY inline uint16_t finish_row_bf16(Vec a0, Vec b0, Vec a1, Vec b1, const uint16_t* wn,
+                                            const float* x, int64_t i, int64_t kv, int64_t k,
+                                            const uint16_t* bias) {
+    for (; i < kv; i += kBf16Block) {
+        const VecI u = VecI::loadu(wn + i);
+        a0 = at::vec::fmadd(bf16_even(u), Vec::loadu(x + i), a0);
+        b0 = at::vec::fmadd(bf16_odd(u), Vec::loadu(x + i + kLanes), b0);
+    }
+    float s = sum((a0 + b0) + (a1 + b1));
+    for (; i < k; i++)
+        s += bf16_to_f32(wn[i]) * x[i];
+    return f32_to_bf16(s + (bias ? bf16_to_f32(*bias) : 0.f));
+}
+
+// R rows at a time (the rows left over one at a time), 1/R of [begin, end) apart, each
+// with its own four accumulators, every load of x shared by the R rows; with kFetch each
+// row's stream is fetched kBf16PrefetchAhead values ahead in software (past the row's
+// end into the next ones, which follow it in memory): twice the instructions per byte of
+// the float32 loop leave fewer of its loads in flight.
+template <int64_t R, bool kFetch>
+DG_ONE_COPY void linear_one_row_bf16_rows(uint16_t* y, const float* x, const uint16_t* w,
+                                          const uint16_t* b, int64_t begin, int64_t end,
+                                          int64_t k) {
     const int64_t kv = k - k % kBf16Block;  // the values the vector loops sum
-    for (int64_t n = begin; n < end; n++) {
-        const uint16_t* wn = w + n * k;
-        Vec a0(0.f), b0(0.f), a1(0.f), b1(0.f);
+    const int64_t steps = (end - begin) / R;  // the rows [begin, begin + R * steps)
+    for (int64_t n = begin; n < begin + steps; n++) {
+        std::array<const uint16_t*, R> wr;  // rows n, n + steps, ...
+        for (int64_t r = 0; r < R; r++)
+            wr[r] = w + (n + r * steps) * k;
+        std::array<Vec, 4 * R> a;  // per row: a0, b0, a1, b1
+        for (int64_t j = 0; j < 4 * R; j++)
+            a[j] = Vec(0.f);
         int64_t i = 0;
         for (; i + 2 * kBf16Block <= kv; i += 2 * kBf16Block) {
-            // Twice the instructions per byte of the float32 loop leave fewer of its
-            // loads in flight; the stream is fetched ahead (past the row's end into the
-            // next ones, which follow it in memory).
-            __builtin_prefetch(wn + i + kBf16PrefetchAhead, 0, 3);
-            __builtin_prefetch(wn + i + kBf16PrefetchAhead + kBf16Block, 0, 3);
-            const VecI u0 = VecI::loadu(wn + i), u1 = VecI::loadu(wn + i + kBf16Block);
-            a0 = at::vec::fmadd(bf16_even(u0), Vec::loadu(x + i), a0);
-            b0 = at::vec::fmadd(bf16_odd(u0), Vec::loadu(x + i + kLanes), b0);
-            a1 = at::vec::fmadd(bf16_even(u1), Vec::loadu(x + i + kBf16Block), a1);
-            b1 = at::vec::fmadd(bf16_odd(u1), Vec::loadu(x + i + kBf16Block + kLanes), b1);
+            if constexpr (kFetch)
+                for (int64_t r = 0; r < R; r++) {
+                    __builtin_prefetch(wr[r] + i + kBf16PrefetchAhead, 0, 3);
+                    __builtin_prefetch(wr[r] + i + kBf16PrefetchAhead + kBf16Block, 0, 3);
+                }
+            const Vec x0 = Vec::loadu(x + i), x1 = Vec::loadu(x + i + kLanes);
+            const Vec x2 = Vec::loadu(x + i + kBf16Block);
+            const Vec x3 = Vec::loadu(x + i + kBf16Block + kLanes);
+            for (int64_t r = 0; r < R; r++) {
+                const VecI u0 = VecI::loadu(wr[r] + i), u1 = VecI::loadu(wr[r] + i + kBf16Block);
+                a[4 * r] = at::vec::fmadd(bf16_even(u0), x0, a[4 * r]);
+                a[4 * r + 1] = at::vec::fmadd(bf16_odd(u0), x1, a[4 * r + 1]);
+                a[4 * r + 2] = at::vec::fmadd(bf16_even(u1), x2, a[4 * r + 2]);
+                a[4 * r + 3] = at::vec::fmadd(bf16_odd(u1), x3, a[4 * r + 3]);
+            }
         }
-        for (; i < kv; i += kBf16Block) {
-            const VecI u = VecI::loadu(wn + i);
-            a0 = at::vec::fmadd(bf16_even(u), Vec::loadu(x + i), a0);
-            b0 = at::vec::fmadd(bf16_odd(u), Vec::loadu(x + i + kLanes), b0);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t row = n + r * steps;
+            y[row] = finish_row_bf16(a[4 * r], a[4 * r + 1], a[4 * r + 2], a[4 * r + 3], wr[r],
+                                     x, i, kv, k, b ? b + row : nullptr);
         }
-        float s = sum((a0 + b0) + (a1 + b1));
-        for (; i < k; i++)
-            s += bf16_to_f32(wn[i]) * x[i];
-        y[n] = f32_to_bf16(s + (b ? bf16_to_f32(b[n]) : 0.f));
     }
+    if constexpr (R > 1)
+        linear_one_row_bf16_rows<1, kFetch>(y, x, w, b, begin + R * steps, end, k);
+}
+
+inline void linear_one_row_bf16(uint16_t* y, const float* x, const uint16_t* w, const uint16_t* b,
+                                int64_t begin, int64_t end, int64_t k) {
+    if (rows_side_by_side(k, /*bf16=*/true))
+        linear_one_row_bf16_rows<kBf16RowsSideBySide, false>(y, x, w, b, begin, end, k);
+    else
+        linear_one_row_bf16_rows<1, true>(y, x, w, b, begin, end, k);
 }
 
 // One output of few_rows_block from its accumulator: the lanes' sum, the values
