@@ -33,7 +33,7 @@ CACHE_MULTIPLE = 2
 # Without a last-level cache size from sysfs.
 DEFAULT_LLC_BYTES = 32 << 20
 # A timed pass reads the first of the weights, in the model's order, up to the larger of
-# this and twice the cache (a fraction of a second for both orders' passes).
+# this and CACHE_MULTIPLE times the cache (a fraction of a second for both orders' passes).
 PASS_BYTES = 256 << 20
 # Timed passes per order, alternating, after one untimed pass each.
 ROUNDS = 5
@@ -108,7 +108,7 @@ def choose_projection_rows(model: torch.nn.Module) -> int | None:
     llc = last_level_cache_bytes()
     if ops is None or total < CACHE_MULTIPLE * llc:
         return None
-    timed = first_bytes(weights, max(PASS_BYTES, 2 * llc))
+    timed = first_bytes(weights, max(PASS_BYTES, CACHE_MULTIPLE * llc))
     nbytes = sum(w.nbytes for w in timed)
     inputs = {(w.shape[1], w.dtype): torch.zeros(1, w.shape[1], dtype=w.dtype) for w in timed}
     seconds: dict[int, list[float]] = {ONE_STREAM: [], SIDE_BY_SIDE: []}
