@@ -7,14 +7,19 @@ import time
 
 
 def live_children() -> set[int]:
-    """This process's descendants that are still running (zombies left out)."""
+    """This process's descendants that are still running: zombies left out, and
+    multiprocessing's resource tracker, which the first spawned process starts and
+    which lives as long as this process (a test run alone starts it itself)."""
     import psutil
 
     pids = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                pids.add(child.pid)
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any("multiprocessing.resource_tracker" in arg for arg in child.cmdline()):
+                continue
+            pids.add(child.pid)
         except psutil.NoSuchProcess:
             pass
     return pids
