@@ -11,6 +11,8 @@ import gc
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from decodegraph.gc_utils import collector_paused
+
 __version__ = "0.1.0"
 
 # While the interpreter tears its modules down at exit it runs full garbage collections
@@ -49,7 +51,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'decodegraph' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    with collector_paused():  # torch, transformers, Dynamo (gc_utils)
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

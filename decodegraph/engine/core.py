@@ -26,6 +26,7 @@ from decodegraph.core.sched_output import EngineCoreOutput, SchedulerOutput
 from decodegraph.core.scheduler import Scheduler
 from decodegraph.executor.abstract import Executor
 from decodegraph.forward_context import BatchDescriptor
+from decodegraph.gc_utils import frozen_heap
 from decodegraph.graphs.dispatcher import CudagraphDispatcher
 from decodegraph.graphs.graph_runner import CaptureStats
 from decodegraph.graphs.modes import CUDAGraphMode
@@ -97,26 +98,28 @@ class EngineCore:
             phases[name] = now - last
             last = now
 
-        self.executor: Executor = Executor.get_class(config)(config)
-        driver_worker = getattr(self.executor, "driver_worker", None)
-        if driver_worker is not None:
-            self.platform = driver_worker.platform  # one instance per process
-        try:
-            self.ranks: list[RankInfo] = self.executor.collective_rpc("describe")
-            self.executor.collective_rpc("init_structured_output", (structured_output,))
-            self.executor.collective_rpc("load_model")
-            phase("load")
-            self.executor.collective_rpc("profile_run")
-            phase("profile")
-            num_blocks = self._num_kv_blocks(self.executor.collective_rpc("get_kv_cache_info"))
-            self.executor.collective_rpc("initialize_kv_cache", (num_blocks,))
-            phase("KV cache")
-            graph_info = self._graph_info(self.executor.collective_rpc("resolve_graph_mode"))
-            stats: list[CaptureStats] = self.executor.collective_rpc("capture_graphs")
-            phase("capture")
-        except BaseException:
-            self.executor.shutdown()
-            raise
+        # Start-up's collections walk only what start-up makes (gc_utils).
+        with frozen_heap():
+            self.executor: Executor = Executor.get_class(config)(config)
+            driver_worker = getattr(self.executor, "driver_worker", None)
+            if driver_worker is not None:
+                self.platform = driver_worker.platform  # one instance per process
+            try:
+                self.ranks: list[RankInfo] = self.executor.collective_rpc("describe")
+                self.executor.collective_rpc("init_structured_output", (structured_output,))
+                self.executor.collective_rpc("load_model")
+                phase("load")
+                self.executor.collective_rpc("profile_run")
+                phase("profile")
+                num_blocks = self._num_kv_blocks(self.executor.collective_rpc("get_kv_cache_info"))
+                self.executor.collective_rpc("initialize_kv_cache", (num_blocks,))
+                phase("KV cache")
+                graph_info = self._graph_info(self.executor.collective_rpc("resolve_graph_mode"))
+                stats: list[CaptureStats] = self.executor.collective_rpc("capture_graphs")
+                phase("capture")
+            except BaseException:
+                self.executor.shutdown()
+                raise
         self.graph_info = graph_info
         self.graph_mode: CUDAGraphMode = graph_info.mode
         self.num_blocks_per_group = num_blocks

@@ -8,8 +8,11 @@ import logging
 import sys
 import time
 
-from decodegraph.config import CompilationConfig
-from decodegraph.engine.arg_utils import EngineArgs, UsageContext
+from decodegraph.gc_utils import collector_paused
+
+with collector_paused():  # torch and the engine's arguments (gc_utils)
+    from decodegraph.config import CompilationConfig
+    from decodegraph.engine.arg_utils import EngineArgs, UsageContext
 
 logger = logging.getLogger("decodegraph")
 
@@ -42,9 +45,10 @@ def generate_engine_args(args: argparse.Namespace, num_prompts: int) -> EngineAr
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from decodegraph.engine.llm_engine import LLMEngine
-    from decodegraph.models.presets import is_preset
-    from decodegraph.sampling_params import SamplingParams
+    with collector_paused():  # the engine and transformers' configurations (gc_utils)
+        from decodegraph.engine.llm_engine import LLMEngine
+        from decodegraph.models.presets import is_preset
+        from decodegraph.sampling_params import SamplingParams
 
     prompts = args.prompt or [""]
     engine_args = generate_engine_args(args, len(prompts))
@@ -96,7 +100,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _graphs(args: argparse.Namespace) -> int:
-    from decodegraph.engine.llm_engine import LLMEngine
+    with collector_paused():  # the engine and transformers' configurations (gc_utils)
+        from decodegraph.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args), UsageContext.LLM_CLASS)
     report = graphs_report(engine)
@@ -255,7 +260,8 @@ def _serve(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    with collector_paused():  # the bench and serve commands' modules (gc_utils)
+        parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -10,10 +10,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from decodegraph.engine.arg_utils import EngineArgs, UsageContext
-from decodegraph.engine.llm_engine import LLMEngine, PromptType
-from decodegraph.outputs import RequestOutput
-from decodegraph.sampling_params import RequestOutputKind, SamplingParams
+from decodegraph.gc_utils import collector_paused
+
+with collector_paused():  # torch, transformers' configurations, Dynamo (gc_utils)
+    from decodegraph.engine.arg_utils import EngineArgs, UsageContext
+    from decodegraph.engine.llm_engine import LLMEngine, PromptType
+    from decodegraph.outputs import RequestOutput
+    from decodegraph.sampling_params import RequestOutputKind, SamplingParams
 
 _ENGINE_ARG_NAMES = {f.name for f in dataclasses.fields(EngineArgs)}
 # "1": LLM runs its engine core in a process of its own unless told otherwise (vLLM's

@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 
 from decodegraph.config import EngineConfig
 from decodegraph.executor.abstract import resolve_worker_cls
+from decodegraph.gc_utils import collector_paused
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +156,14 @@ def _worker_main(a: _RankArgs) -> None:
     else:
         conn = a.driver
     try:
-        worker_cls = resolve_worker_cls(a.config.parallel_config.worker_cls)
-        worker = worker_cls(
-            a.config,
-            rank=a.rank,
-            local_rank=a.local_rank,
-            distributed_init_method=a.distributed_init_method,
-        )
+        with collector_paused():  # the worker's modules import here (gc_utils)
+            worker_cls = resolve_worker_cls(a.config.parallel_config.worker_cls)
+            worker = worker_cls(
+                a.config,
+                rank=a.rank,
+                local_rank=a.local_rank,
+                distributed_init_method=a.distributed_init_method,
+            )
         worker.init_device()
     except Exception as e:
         conn.send(_error_reply(traceback.format_exc(), e))

@@ -36,6 +36,7 @@ from decodegraph.forward_context import (
     ForwardContext,
     set_forward_context,
 )
+from decodegraph.gc_utils import frozen_heap
 from decodegraph.graphs.dispatcher import CudagraphDispatcher, StepPlan, StepPlanError
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
 from decodegraph.graphs.multi_step import multi_step_forward
@@ -187,9 +188,12 @@ class GraphRunner:
             keys += [(RuntimeMode.FULL, BatchDescriptor(s, s, True, steps)) for s in sizes]
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
+        # A collection during capture makes it slow (vLLM #21146): collect now, then
+        # keep what is left out of reach. Inside an engine's start-up (gc_utils) the
+        # heap the engine started with is frozen already, so this walks only what
+        # start-up made.
         gc.collect()
-        gc.freeze()  # a collection during capture makes it slow (vLLM #21146)
-        try:
+        with frozen_heap():
             for mode, key in tqdm(keys, desc="Capturing graphs", disable=not keys, leave=False):
                 self.capture(mode, key, model, prepare_dummy)
             # In capture order on every rank: finishing runs a graph, collectives and all,
@@ -197,8 +201,6 @@ class GraphRunner:
             for graph_key, graph in self.graphs.items():
                 with set_forward_context(self._capture_contexts.pop(graph_key)):
                     graph.finish()
-        finally:
-            gc.unfreeze()
         self.closed = True
         self.stats.seconds = time.perf_counter() - start
         self.stats.memory_bytes = max(0, self.platform.memory_allocated() - memory_before)

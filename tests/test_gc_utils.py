@@ -1,0 +1,87 @@
+"""The collector at start-up: paused while modules import, the heap the engine started
+with frozen while it starts, and everything as it was once it has."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from decodegraph import LLM
+from decodegraph.gc_utils import collector_paused, frozen_heap
+from decodegraph.worker.model_runner import ModelRunner
+
+
+@pytest.fixture
+def collector_state() -> Iterator[None]:
+    """Whatever a test does to the collector is undone."""
+    was_enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    yield
+    if gc.get_freeze_count() != frozen:
+        gc.unfreeze()
+    (gc.enable if was_enabled else gc.disable)()
+
+
+def _cycle() -> None:
+    """A reference cycle that only the collector can free."""
+    a: list = []
+    a.append(a)
+
+
+@pytest.mark.usefixtures("collector_state")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collector_paused_restores_the_state_it_found(enabled: bool) -> None:
+    (gc.enable if enabled else gc.disable)()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled() is enabled
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("an import failed")
+    assert gc.isenabled() is enabled
+
+
+@pytest.mark.usefixtures("collector_state")
+def test_frozen_heap_freezes_what_was_alive_until_the_outermost_block_ends() -> None:
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    kept = [object() for _ in range(100)]
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        assert outer > 0
+        with frozen_heap():
+            assert gc.get_freeze_count() == outer
+        # The inner block's end leaves the outer block's objects frozen.
+        assert gc.get_freeze_count() == outer
+        # Objects made inside are collected as usual.
+        gc.collect()
+        _cycle()
+        assert gc.collect() >= 1
+    assert gc.get_freeze_count() == 0
+    assert kept
+
+
+@pytest.mark.usefixtures("collector_state")
+def test_an_engine_starts_with_its_heap_frozen_and_leaves_the_collector_as_it_was(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gc.enable()
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    seen: list[int] = []
+    load = ModelRunner.load_model
+
+    def load_model(self: ModelRunner, *args: object) -> None:
+        seen.append(gc.get_freeze_count())
+        load(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "load_model", load_model)
+    llm = LLM(str(stories_dir), max_model_len=64, max_num_seqs=4, enforce_eager=True)
+    assert seen and seen[0] > 0, "the modules imported before start-up were not frozen"
+    assert gc.get_freeze_count() == 0
+    assert gc.isenabled()
+    del llm
