@@ -10,11 +10,12 @@ never garbage, and a start-up's own garbage is young.
 
 - `collector_paused`: no automatic collection while the package's modules import
   (`decodegraph.LLM` and the other lazy names, the CLI's commands, a spawned rank's
-  worker); the collector is back as it was afterwards.
+  modules and worker); the collector is back as it was afterwards.
 - `frozen_heap`: every object alive when the engine starts is out of the collector's
   reach until start-up ends (`gc.freeze`), so the collections of start-up, automatic or
   the one before capture, walk only what start-up made. At the end everything is
-  tracked again (`gc.unfreeze`): the running engine collects as any process does.
+  tracked again (`gc.unfreeze`): the running engine collects as any process does. A
+  spawned rank does the same from its worker's start to its capture (executor/mp_ranks.py).
 
 docs/performance.md has what each saves.
 """

@@ -4,6 +4,7 @@ connect to the driver and answer its calls (multiproc.py is the driver's side)."
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import logging
 import multiprocessing
@@ -19,14 +20,18 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from multiprocessing.process import BaseProcess
 
-from decodegraph.config import EngineConfig
-from decodegraph.executor.abstract import resolve_worker_cls
 from decodegraph.gc_utils import collector_paused
+
+with collector_paused():  # torch, first thing in a spawned rank (gc_utils)
+    from decodegraph.config import EngineConfig
+    from decodegraph.executor.abstract import resolve_worker_cls
 
 logger = logging.getLogger(__name__)
 
 # The method name that ends a worker's loop (after its worker's own `shutdown`).
 SHUTDOWN = "__shutdown__"
+# The last call of a rank's start-up (EngineCore's lockstep: load ... capture).
+STARTUP_ENDS_WITH = "capture_graphs"
 # How long other nodes' ranks have to connect to the driver, and to keep retrying when
 # they start before it.
 NODE_CONNECT_TIMEOUT_S = float(os.environ.get("DECODEGRAPH_NODE_CONNECT_TIMEOUT_S", "600"))
@@ -170,6 +175,10 @@ def _worker_main(a: _RankArgs) -> None:
         conn.close()
         sys.exit(1)
     conn.send(("ok", os.getpid()))
+    # The rank's start-up, up to its capture, leaves the heap it has now out of its
+    # collections (gc_utils; the driver's engine core does the same for its process).
+    gc.freeze()
+    starting = True
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
@@ -184,6 +193,9 @@ def _worker_main(a: _RankArgs) -> None:
             reply: tuple = ("ok", getattr(worker, method)(*args, **kwargs))
         except Exception as e:
             reply = _error_reply(traceback.format_exc(), e)
+        if starting and method == STARTUP_ENDS_WITH:
+            gc.unfreeze()
+            starting = False
         try:
             conn.send(reply)
         except (pickle.PicklingError, TypeError, AttributeError) as e:

@@ -4,6 +4,7 @@ actors, as `ParallelConfig.worker_cls` says."""
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -96,6 +97,13 @@ class DummyWorker:
 
     def unpicklable(self) -> object:
         return lambda: None
+
+    def gc_state(self) -> tuple[bool, int]:
+        """Whether the collector runs, and how many objects it leaves out (frozen)."""
+        return gc.isenabled(), gc.get_freeze_count()
+
+    def capture_graphs(self) -> None:
+        """The last call of a real worker's start-up: nothing to capture here."""
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -234,6 +234,19 @@ def test_two_nodes_on_loopback_run_one_process_group(monkeypatch: pytest.MonkeyP
         headless.wait(10)
 
 
+def test_a_rank_leaves_the_heap_it_started_with_frozen_until_its_capture() -> None:
+    """A spawned rank's start-up collections skip what it imported (gc_utils); from its
+    capture on, it collects everything, with the collector on."""
+    e = MultiprocExecutor(dummy_config(tensor_parallel_size=2))
+    try:
+        states = e.collective_rpc("gc_state")
+        assert all(enabled and frozen > 0 for enabled, frozen in states), states
+        e.collective_rpc("capture_graphs")
+        assert e.collective_rpc("gc_state") == [(True, 0), (True, 0)]
+    finally:
+        e.shutdown()
+
+
 def test_shutdown_stops_every_worker_and_is_idempotent(executor: MultiprocExecutor) -> None:
     pids = executor.collective_rpc("pid")
     executor.shutdown()
