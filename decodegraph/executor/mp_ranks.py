@@ -3,8 +3,8 @@ connect to the driver and answer its calls (multiproc.py is the driver's side)."
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import gc
 import hashlib
 import logging
 import multiprocessing
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from multiprocessing.process import BaseProcess
 
-from decodegraph.gc_utils import collector_paused
+from decodegraph.gc_utils import collector_paused, frozen_heap
 
 with collector_paused():  # torch, first thing in a spawned rank (gc_utils)
     from decodegraph.config import EngineConfig
@@ -177,8 +177,8 @@ def _worker_main(a: _RankArgs) -> None:
     conn.send(("ok", os.getpid()))
     # The rank's start-up, up to its capture, leaves the heap it has now out of its
     # collections (gc_utils; the driver's engine core does the same for its process).
-    gc.freeze()
-    starting = True
+    startup = contextlib.ExitStack()
+    startup.enter_context(frozen_heap())
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
@@ -193,9 +193,8 @@ def _worker_main(a: _RankArgs) -> None:
             reply: tuple = ("ok", getattr(worker, method)(*args, **kwargs))
         except Exception as e:
             reply = _error_reply(traceback.format_exc(), e)
-        if starting and method == STARTUP_ENDS_WITH:
-            gc.unfreeze()
-            starting = False
+        if method == STARTUP_ENDS_WITH:
+            startup.close()  # once: a closed stack has nothing left to exit
         try:
             conn.send(reply)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
