@@ -8,6 +8,7 @@ become trailing inputs of the compiled function, never copies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from decodegraph.platforms import cpu_graph_cache
+from decodegraph.platforms import cpu_graph_cache, inductor_static
 from decodegraph.platforms.base import DeviceGraph, GraphFn, trace
 from decodegraph.platforms.inductor_cpp import bind_entry, cpp_builds_in_background, entry_call
 
@@ -157,7 +158,14 @@ def start_inductor_compile(
         options["cpp_wrapper"] = False
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     spec = pytree.tree_flatten(output.args[0])[1]
-    key = cpu_graph_cache.graph_key(gm, node_meta, args, options)
+    # The C++ wrapper's intermediates allocated once (platforms/inductor_static.py), where
+    # the user's options leave the post-grad pass that versions them free.
+    static = (
+        bool(options.get("cpp_wrapper"))
+        and inductor_static.enabled()
+        and options.get("post_grad_custom_post_pass") is None
+    )
+    key = cpu_graph_cache.graph_key(gm, node_meta, args, options, static)
     tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
     loaded = _load_indexed(key, args, spec, options)
     if loaded is not None:
@@ -193,6 +201,10 @@ def start_inductor_compile(
         functorch_config.patch(enable_autograd_cache=False),
         tracing(TracingContext(fake_mode)),
         cpp_builds_in_background(),
+        inductor_static.static_buffers()
+        if static
+        else contextlib.nullcontext({}) as static_options,
+        inductor_config.patch(static_options),
     ):
         wrapped = compile_fx(gm, fake_args, inner_compile=capture_inner)
 

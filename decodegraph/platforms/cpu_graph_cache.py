@@ -38,6 +38,7 @@ def graph_key(
     node_meta: Sequence[object],
     args: Sequence[torch.Tensor],
     options: dict[str, object],
+    static_buffers: bool = False,
 ) -> str:
     """The key of a traced graph whose tensor attributes are already placeholders.
 
@@ -53,6 +54,7 @@ def graph_key(
     functorch = _portable(functorch_config)
     parts = [
         f"v{_VERSION}",
+        f"static buffers {static_buffers}",
         torch.__version__,
         str(torch.version.git_version),
         torch.backends.cpu.get_cpu_capability(),

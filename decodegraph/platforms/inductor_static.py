@@ -1,0 +1,237 @@
+"""Static intermediate buffers for the CPU graphs' C++ wrappers (platforms/cpu_graph.py).
+
+Inductor's C++ wrapper allocates each intermediate buffer of a graph at every call
+(`aoti_torch_empty_strided`: a tensor object and its storage) and frees it when the graph
+is done with it; at batch 1 on a small model those objects are a noticeable share of a
+replay (docs/performance.md). A device graph has no such cost: its intermediates live
+at fixed addresses from capture on. `static_buffers()` makes a CPU graph's wrapper do the
+same. Each intermediate it allocates is made once, on the wrapper's first call in a
+thread, and kept for the process (a thread-local handle per allocation site); later
+calls reuse it, as Inductor's own buffer reuse already reuses a freed buffer within a
+call. Inductor never reads an intermediate before writing it, so what a call leaves
+behind is never seen by the next.
+
+What stays per call: every buffer a graph output is or aliases (a caller may hold the
+outputs of one replay past the next, and the graph runner's first-replay checks compare
+two calls' outputs), the outputs of opaque operators (they allocate their own), and
+intermediates past STATIC_BYTES per module (a large prefill graph keeps Inductor's
+reuse-planned peak rather than one buffer per allocation site). A thread's buffers are
+never freed (they are few, and a thread-local destructor at process exit could run after
+the allocator's teardown). Two graphs that compiled to the same module (two engines of
+one model in a process) share its buffers, which is safe because calls in one thread
+never overlap. DECODEGRAPH_CPU_STATIC_BUFFERS=0 compiles plain wrappers.
+
+The wrapper is Inductor's CppWrapperCpu with four methods overridden; it is registered
+for the CPU device only while `static_buffers()` is active (the graph's compile), and
+a post-grad pass that changes nothing but carries a version keeps its modules apart from
+plain ones in Inductor's FX graph cache. An Inductor without these hooks compiles plain
+wrappers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV = "DECODEGRAPH_CPU_STATIC_BUFFERS"
+# Intermediates made static per module, in bytes; past it, allocations stay per call.
+STATIC_BYTES = 16 << 20
+# Bump when the generated code changes: the FX graph cache key of static modules.
+_VERSION = "decodegraph-static-buffers-1"
+
+
+def enabled() -> bool:
+    """Static buffers unless DECODEGRAPH_CPU_STATIC_BUFFERS=0 (read at each compile)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _wrapper_class() -> type | None:
+    try:
+        from torch._inductor import ir
+        from torch._inductor.codegen.common import IndentedBuffer
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return None
+
+    class StaticBuffersWrapper(CppWrapperCpu):
+        """CppWrapperCpu whose intermediates are allocated once per thread."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._static: set[str] = set()
+            self._static_bytes = 0
+            # Buffers whose memory a graph output is or aliases, once planned (None
+            # before: nothing is static then).
+            self._into_outputs: set[str] | None = None
+
+        @staticmethod
+        def create(
+            is_subgraph: bool,
+            subgraph_name: str | None,
+            parent_wrapper: Any,
+            partition_signatures: Any = None,
+        ) -> Any:
+            return StaticBuffersWrapper()
+
+        def run_wrapper_ir_passes(self, is_inference: bool) -> None:
+            super().run_wrapper_ir_passes(is_inference)
+            self._into_outputs = _into_outputs(self.lines)
+
+        def _may_be_static(self, name: str, dtype: torch.dtype, shape: Any) -> bool:
+            if (
+                self._into_outputs is None
+                or name in self._into_outputs
+                or name in V.graph.graph_inputs
+            ):
+                return False
+            try:
+                numel = math.prod(int(s) for s in shape)
+            except TypeError:  # a symbolic size: not static
+                return False
+            nbytes = numel * dtype.itemsize
+            if self._static_bytes + nbytes > STATIC_BYTES:
+                return False
+            self._static_bytes += nbytes
+            return True
+
+        def make_allocation(  # type: ignore[override]
+            self, name, device, dtype, shape, stride, allocation_shape=None, is_pinned=False
+        ):
+            plain = lambda: super(StaticBuffersWrapper, self).make_allocation(  # noqa: E731
+                name, device, dtype, shape, stride, allocation_shape, is_pinned
+            )
+            if is_pinned or not self._may_be_static(
+                name, dtype, shape if allocation_shape is None else allocation_shape
+            ):
+                return plain()
+            # Inductor's own lines, written into a buffer of their own: the declarations of
+            # size and stride arrays stay in the function's scope (later lines use them),
+            # the allocation itself runs only while the thread's handle is empty.
+            lines = IndentedBuffer()
+            saved, self.wrapper_call = self.wrapper_call, lines
+            try:
+                declare = plain()
+            finally:
+                self.wrapper_call = saved
+            body = [line for line in lines._lines]
+            if not all(isinstance(line, str) for line in body) or declare != (
+                f"RAIIAtenTensorHandle {name}({name}_handle);"
+            ):
+                for line in body:  # not the shape this module knows: as Inductor wrote it
+                    self.wrapper_call.writeline(line)
+                return declare
+            keep = f"{name}_static"
+            for line in body:
+                if line.lstrip().startswith("static constexpr"):
+                    self.wrapper_call.writeline(line)
+            self.wrapper_call.writeline(
+                f"static thread_local RAIIAtenTensorHandle& {keep} = *new RAIIAtenTensorHandle();"
+            )
+            self.wrapper_call.writeline(f"if (!{keep}.get()) {{")
+            for line in body:
+                if not line.lstrip().startswith("static constexpr"):
+                    self.wrapper_call.writeline("    " + line)
+            self.wrapper_call.writeline(f"    {keep} = RAIIAtenTensorHandle({name}_handle);")
+            self.wrapper_call.writeline("}")
+            self._static.add(name)
+            return f"RAIIAtenTensorHandle& {name} = {keep};"
+
+        def make_buffer_free(self, buffer: Any) -> str:
+            if buffer.get_name() in self._static:
+                return ""
+            return super().make_buffer_free(buffer)
+
+        def make_free_by_names(self, names_to_del: list[str]) -> str:
+            return super().make_free_by_names([n for n in names_to_del if n not in self._static])
+
+        def make_buffer_reuse(self, old: Any, new: Any, delete_old: bool) -> str:
+            # A reuse may carry data (an in-place kernel continues in the new buffer), so
+            # the new name refers to the same memory. Never an output here (its chain is
+            # kept per call); were it one, Inductor's move would take the memory out of
+            # the thread's handle, and the next call would allocate afresh.
+            old_name, new_name = old.get_name(), new.get_name()
+            if old_name not in self._static or new_name in V.graph.get_output_names():
+                return super().make_buffer_reuse(old, new, delete_old)
+            if old.get_size() == new.get_size() and old.get_stride() == new.get_stride():
+                self._static.add(new_name)
+                return f"RAIIAtenTensorHandle& {new_name} = {old_name};  // reuse"
+            return super().make_buffer_reuse(old, new, delete_old)
+
+    def _into_outputs(lines: list[Any]) -> set[str]:
+        """Every buffer whose memory ends up in a graph output: the outputs, the buffers
+        an output views (a non-owning layout), and, transitively, those a buffer of
+        these reuses."""
+        from torch._inductor.codegen.wrapper import ReuseLine
+
+        reused_from = {
+            line.reused_as.get_name(): line.node.get_name()
+            for line in lines
+            if isinstance(line, ReuseLine)
+        }
+        names = set(V.graph.get_output_names())
+        todo = list(names)
+        while todo:
+            name = todo.pop()
+            found = [reused_from.get(name)]
+            buffer = V.graph.name_to_buffer.get(name)
+            layout = getattr(buffer, "layout", None)
+            if isinstance(layout, ir.NonOwningLayout):
+                found.append(layout.view.get_name())
+            for other in found:
+                if other is not None and other not in names:
+                    names.add(other)
+                    todo.append(other)
+        return names
+
+    return StaticBuffersWrapper
+
+
+def _version_pass() -> Any:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class StaticBuffersVersion(CustomGraphPass):
+        """Changes nothing; its uuid keeps static-buffer modules apart in the cache."""
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            return None
+
+        def uuid(self) -> str:
+            return _VERSION
+
+    return StaticBuffersVersion()
+
+
+@contextlib.contextmanager
+def static_buffers() -> Iterator[dict[str, object]]:
+    """While active, CPU graphs compile with the static-buffer wrapper. Yields the
+    Inductor options to compile under (empty where this Inductor lacks the hooks)."""
+    try:
+        from torch._inductor.codegen import common
+    except ImportError:
+        yield {}
+        return
+    wrapper = _wrapper_class()
+    codegens = getattr(common, "device_codegens", None)
+    if wrapper is None or codegens is None or not hasattr(common, "init_backend_registration"):
+        yield {}
+        return
+    common.init_backend_registration()
+    cpu = codegens.get("cpu")
+    if cpu is None or not dataclasses.is_dataclass(cpu):
+        yield {}
+        return
+    codegens["cpu"] = dataclasses.replace(cpu, cpp_wrapper_codegen=wrapper)
+    try:
+        yield {"post_grad_custom_post_pass": _version_pass()}
+    finally:
+        codegens["cpu"] = cpu

@@ -1,0 +1,187 @@
+"""Static intermediates in the CPU graphs' C++ wrappers (platforms/inductor_static.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from decodegraph.platforms import cpu_graph_cache, inductor_static
+from decodegraph.platforms.cpu import CpuPlatform
+from decodegraph.platforms.cpu_graph import CpuGraph
+
+_CPP_WRAPPER = CpuPlatform.default_inductor_options
+STATIC_LINE = "static thread_local RAIIAtenTensorHandle&"
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Intermediates the wrapper allocates (each mm's output, a BLAS call at 16 rows),
+    an output that is an mm's own buffer and one that is a fused kernel's."""
+    h = torch.relu(x @ w) + 1
+    g = torch.tanh(h @ w) * 2
+    y = g @ w
+    return y, (y + h).sum(dim=-1)
+
+
+def _compile(x: torch.Tensor, w: torch.Tensor) -> tuple[CpuGraph, object, str]:
+    """A C++ wrapper graph of _chain over x and w in a fresh Inductor cache, its module
+    and the module's source (the generated C++ in it)."""
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache(), _sources() as sources:
+        graph = CpuGraph("g", _chain, [x, w], True, _CPP_WRAPPER)
+    module = [m for m in list(sys.modules.values()) if hasattr(m, "inductor_entry")][-1]
+    return graph, module, sources[-1]
+
+
+@contextlib.contextmanager
+def _sources() -> Iterator[list[str]]:
+    """The source of every module Inductor loads meanwhile, read as it loads."""
+    from torch._inductor.codecache import PyCodeCache
+
+    sources: list[str] = []
+    load = PyCodeCache.load_by_key_path.__func__
+
+    def reading(cls: type, key: str, path: str, *args: object, **kwargs: object) -> object:
+        sources.append(Path(path).read_text())
+        return load(cls, key, path, *args, **kwargs)
+
+    PyCodeCache.load_by_key_path = classmethod(reading)
+    try:
+        yield sources
+    finally:
+        PyCodeCache.load_by_key_path = classmethod(load)
+
+
+def test_intermediates_are_made_once_and_outputs_at_every_call(cpu_ops: object) -> None:
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    graph, _, source = _compile(x, w)
+    assert source.count(STATIC_LINE) >= 2  # the first two mm outputs at least
+    first = graph.replay()
+    kept = [t.clone() for t in first]
+    for t, want in zip(first, _chain(x, w), strict=True):
+        torch.testing.assert_close(t, want)
+    for _ in range(3):
+        x.copy_(torch.randn(16, 32))
+        for got, want in zip(graph.replay(), _chain(x, w), strict=True):
+            torch.testing.assert_close(got, want)
+    # An earlier replay's outputs are its own: no later call wrote into them.
+    for t, k in zip(first, kept, strict=True):
+        assert torch.equal(t, k)
+
+
+def test_threads_calling_one_module_at_once_each_get_their_own_intermediates(
+    cpu_ops: object,
+) -> None:
+    """The entry drops the GIL while it runs, so two threads can be inside one module:
+    each has its own buffers (thread-local), and each gets the bits its input gives
+    alone."""
+    w = torch.randn(32, 32) / 8
+    _, module, _ = _compile(torch.randn(16, 32), w)
+    inputs = [torch.randn(16, 32) for _ in range(2)]
+    wants = [module.call([x, w]) for x in inputs]
+    failures: list[str] = []
+    start = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        start.wait()
+        for _ in range(300):
+            got = module.call([inputs[i], w])
+            if not all(torch.equal(g, t) for g, t in zip(got, wants[i], strict=True)):
+                failures.append(f"thread {i}")
+                return
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def test_the_switch_compiles_plain_wrappers_and_keys_them_apart(
+    cpu_ops: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(inductor_static.ENV, "0")
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    graph, _, source = _compile(x, w)
+    assert STATIC_LINE not in source
+    for got, want in zip(graph.replay(), _chain(x, w), strict=True):
+        torch.testing.assert_close(got, want)
+    gm = torch.fx.symbolic_trace(lambda a: a + 1)
+    keys = {cpu_graph_cache.graph_key(gm, [], [x], {}, static) for static in (False, True)}
+    assert len(keys) == 2
+
+
+def test_a_static_module_is_not_served_from_the_fx_cache_to_a_plain_compile(
+    cpu_ops: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor's FX graph cache keys the static modules apart (the version pass)."""
+    from torch._inductor.utils import fresh_cache
+
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    with fresh_cache(), _sources() as sources:
+        CpuGraph("g", _chain, [x, w], True, _CPP_WRAPPER)
+        monkeypatch.setenv(inductor_static.ENV, "0")
+        CpuGraph("g", _chain, [x, w], True, _CPP_WRAPPER)
+    static_src, plain_src = sources[0], sources[-1]
+    assert STATIC_LINE in static_src
+    assert STATIC_LINE not in plain_src
+
+
+def test_a_users_own_post_grad_pass_is_kept_and_the_wrapper_left_plain(cpu_ops: object) -> None:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.utils import fresh_cache
+
+    calls: list[int] = []
+
+    class Mine(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            calls.append(1)
+
+        def uuid(self) -> str:
+            return "mine"
+
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    options = {**_CPP_WRAPPER, "post_grad_custom_post_pass": Mine()}
+    with fresh_cache(), _sources() as sources:
+        graph = CpuGraph("g", _chain, [x, w], True, options)
+    source = sources[-1]
+    assert calls
+    assert STATIC_LINE not in source
+    for got, want in zip(graph.replay(), _chain(x, w), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_past_the_budget_allocations_stay_per_call(
+    cpu_ops: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inductor_static, "STATIC_BYTES", 16 * 32 * 4)  # one mm output
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    graph, _, source = _compile(x, w)
+    assert source.count(STATIC_LINE) == 1
+    for got, want in zip(graph.replay(), _chain(x, w), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def _in_place_into_output(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w) + 1  # the mm's buffer, then a kernel in place: the output
+
+
+def test_a_buffer_that_becomes_an_output_in_place_stays_per_call(cpu_ops: object) -> None:
+    from torch._inductor.utils import fresh_cache
+
+    x, w = torch.randn(16, 32), torch.randn(32, 32)
+    with fresh_cache(), _sources() as sources:
+        graph = CpuGraph("g", _in_place_into_output, [x, w], True, _CPP_WRAPPER)
+    assert STATIC_LINE not in sources[-1]
+    first = graph.replay()
+    x.copy_(torch.randn(16, 32))
+    second = graph.replay()
+    assert first.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(second, _in_place_into_output(x, w))
