@@ -165,7 +165,9 @@ def start_inductor_compile(
         and inductor_static.enabled()
         and options.get("post_grad_custom_post_pass") is None
     )
-    key = cpu_graph_cache.graph_key(gm, node_meta, args, options, static)
+    key = cpu_graph_cache.graph_key(
+        gm, node_meta, args, options, inductor_static.VERSION if static else ""
+    )
     tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
     loaded = _load_indexed(key, args, spec, options)
     if loaded is not None:

@@ -38,7 +38,7 @@ def graph_key(
     node_meta: Sequence[object],
     args: Sequence[torch.Tensor],
     options: dict[str, object],
-    static_buffers: bool = False,
+    static_buffers: str = "",
 ) -> str:
     """The key of a traced graph whose tensor attributes are already placeholders.
 
@@ -54,6 +54,7 @@ def graph_key(
     functorch = _portable(functorch_config)
     parts = [
         f"v{_VERSION}",
+        # The static-buffer wrapper's version (inductor_static.VERSION), or "" for plain.
         f"static buffers {static_buffers}",
         torch.__version__,
         str(torch.version.git_version),

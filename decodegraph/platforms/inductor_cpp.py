@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from decodegraph.platforms import inductor_static
+
 # inductor_entry_impl(AtenTensorHandle* inputs, AtenTensorHandle* outputs), as the C++
 # wrapper module defines it.
 _ENTRY_IMPL_SYMBOL = "_Z19inductor_entry_implPP16AtenTensorOpaqueS1_"
@@ -172,12 +174,16 @@ def bind_entry(
     if not isinstance(path, str):
         return None
     try:
-        impl = ctypes.cast(getattr(ctypes.CDLL(path), _ENTRY_IMPL_SYMBOL), ctypes.c_void_p).value
+        library = ctypes.CDLL(path)
+        impl = ctypes.cast(getattr(library, _ENTRY_IMPL_SYMBOL), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
     if not impl:
         return None
-    handle = ops.graph_entry_make(list(args), impl, num_outputs)
+    # A static-buffer module's entry that borrows the input handles (inductor_static).
+    borrowed = getattr(library, inductor_static.BORROWED_ENTRY, None)
+    borrowed_address = ctypes.cast(borrowed, ctypes.c_void_p).value if borrowed else None
+    handle = ops.graph_entry_make(list(args), impl, num_outputs, borrowed_address or 0)
     bound = _BoundEntry(_caller_type(ops.graph_entry_caller()), handle)
     weakref.finalize(bound, ops.graph_entry_free, handle)
     return bound

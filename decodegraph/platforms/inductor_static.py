@@ -45,8 +45,24 @@ logger = logging.getLogger(__name__)
 ENV = "DECODEGRAPH_CPU_STATIC_BUFFERS"
 # Intermediates made static per module, in bytes; past it, allocations stay per call.
 STATIC_BYTES = 16 << 20
+# The borrowed-inputs entry of a static module (csrc/graph_entry.h calls it), and the
+# thread's flag that it sets while the usual entry runs under it.
+BORROWED_ENTRY = "decodegraph_entry_borrowed"
+BORROWED_FLAG = "decodegraph_borrowed_inputs"
+_BORROWED_ENTRY = f"""
+extern "C" void {BORROWED_ENTRY}(AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {{
+    {BORROWED_FLAG} = true;
+    try {{
+        inductor_entry_impl(input_handles, output_handles);
+    }} catch (...) {{
+        {BORROWED_FLAG} = false;
+        throw;
+    }}
+    {BORROWED_FLAG} = false;
+}}
+"""
 # Bump when the generated code changes: the FX graph cache key of static modules.
-_VERSION = "decodegraph-static-buffers-1"
+VERSION = "decodegraph-static-buffers-2"
 
 
 def enabled() -> bool:
@@ -147,12 +163,43 @@ def _wrapper_class() -> type | None:
             return f"RAIIAtenTensorHandle& {name} = {keep};"
 
         def make_buffer_free(self, buffer: Any) -> str:
-            if buffer.get_name() in self._static:
+            name = buffer.get_name()
+            if name in self._static:
                 return ""
+            if name in V.graph.graph_inputs:
+                return _drop_input(name)
             return super().make_buffer_free(buffer)
 
         def make_free_by_names(self, names_to_del: list[str]) -> str:
-            return super().make_free_by_names([n for n in names_to_del if n not in self._static])
+            inputs = [n for n in names_to_del if n in V.graph.graph_inputs]
+            rest = [n for n in names_to_del if n not in self._static and n not in inputs]
+            return " ".join([*map(_drop_input, inputs), super().make_free_by_names(rest)]).strip()
+
+        # ---------------------------------------------------- borrowed inputs
+
+        def write_header(self) -> None:
+            super().write_header()
+            self.header.writeline(f"static thread_local bool {BORROWED_FLAG} = false;")
+
+        def generate_return(self, output_refs: list[str]) -> None:
+            super().generate_return(output_refs)
+            # An input returned as an output is handed to the caller: not borrowable.
+            self._borrowable = not V.graph.constants and not any(
+                ref in V.graph.graph_inputs for ref in output_refs
+            )
+            names = [n for n, v in V.graph.graph_inputs.items() if isinstance(v, ir.IRNode)]
+            releases = " ".join(f"{n}.release();" for n in names)
+            self.wrapper_call.writeline(
+                f"if ({BORROWED_FLAG}) {{ for (auto& h : inputs) h.release(); {releases} }}"
+            )
+
+        def generate_before_suffix(self, result: Any) -> None:
+            super().generate_before_suffix(result)
+            body = self.wrapper_call.getvalue()
+            moved = [line for line in body.splitlines() if "std::move(arg" in line]
+            if V.graph.aot_mode or not getattr(self, "_borrowable", False) or moved:
+                return
+            result.splice(_BORROWED_ENTRY)
 
         def make_buffer_reuse(self, old: Any, new: Any, delete_old: bool) -> str:
             # A reuse may carry data (an in-place kernel continues in the new buffer), so
@@ -166,6 +213,10 @@ def _wrapper_class() -> type | None:
                 self._static.add(new_name)
                 return f"RAIIAtenTensorHandle& {new_name} = {old_name};  // reuse"
             return super().make_buffer_reuse(old, new, delete_old)
+
+    def _drop_input(name: str) -> str:
+        """An input's early free: given back to a caller that lends its handles."""
+        return f"if ({BORROWED_FLAG}) {name}.release(); else {name}.reset();"
 
     def _into_outputs(lines: list[Any]) -> set[str]:
         """Every buffer whose memory ends up in a graph output: the outputs, the buffers
@@ -206,7 +257,7 @@ def _version_pass() -> Any:
             return None
 
         def uuid(self) -> str:
-            return _VERSION
+            return VERSION
 
     return StaticBuffersVersion()
 

@@ -11,12 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from decodegraph.platforms import cpu_graph_cache, inductor_static
+from decodegraph.platforms import cpu_graph_cache, inductor_cpp, inductor_static
 from decodegraph.platforms.cpu import CpuPlatform
 from decodegraph.platforms.cpu_graph import CpuGraph
 
 _CPP_WRAPPER = CpuPlatform.default_inductor_options
 STATIC_LINE = "static thread_local RAIIAtenTensorHandle&"
+
+
+@pytest.fixture(autouse=True)
+def _static_buffers_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the environment says (a test that switches them off sets it again)."""
+    monkeypatch.setenv(inductor_static.ENV, "1")
 
 
 def _chain(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +120,7 @@ def test_the_switch_compiles_plain_wrappers_and_keys_them_apart(
     for got, want in zip(graph.replay(), _chain(x, w), strict=True):
         torch.testing.assert_close(got, want)
     gm = torch.fx.symbolic_trace(lambda a: a + 1)
-    keys = {cpu_graph_cache.graph_key(gm, [], [x], {}, static) for static in (False, True)}
+    keys = {cpu_graph_cache.graph_key(gm, [], [x], {}, v) for v in ("", inductor_static.VERSION)}
     assert len(keys) == 2
 
 
@@ -185,3 +191,52 @@ def test_a_buffer_that_becomes_an_output_in_place_stays_per_call(cpu_ops: object
     second = graph.replay()
     assert first.data_ptr() != second.data_ptr()
     torch.testing.assert_close(second, _in_place_into_output(x, w))
+
+
+def test_a_bound_static_module_borrows_its_input_handles_and_the_plain_entry_still_owns(
+    cpu_ops: object,
+) -> None:
+    """Bound, the graph's inputs are lent to the module's borrowing entry (handles made
+    once): replays neither leak nor free them; the module's own entry, called after,
+    still takes and frees the handles it is given."""
+    import ctypes
+    import gc
+
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    graph, module, _ = _compile(x, w)
+    entry = inductor_cpp._module_entry(module.call)
+    library = ctypes.CDLL(entry.__self__.__file__)
+    assert getattr(library, inductor_static.BORROWED_ENTRY, None) is not None
+    graph.replay()
+    uses = torch._C._storage_Use_Count(w.untyped_storage()._cdata)
+    for _ in range(50):
+        x.copy_(torch.randn(16, 32))
+        for got, want in zip(graph.replay(), _chain(x, w), strict=True):
+            torch.testing.assert_close(got, want)
+    gc.collect()
+    assert torch._C._storage_Use_Count(w.untyped_storage()._cdata) == uses
+    for _ in range(50):
+        module.call([x, w])
+    gc.collect()
+    assert torch._C._storage_Use_Count(w.untyped_storage()._cdata) == uses
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ x.t())  # an intermediate in a buffer of its own
+    return h[idx] * 2
+
+
+def test_a_borrowed_call_that_fails_raises_and_the_next_call_runs(cpu_ops: object) -> None:
+    """An index out of range makes the module throw halfway, after it let go of some of
+    the lent handles: the error reaches Python, and the next replay lends new handles."""
+    from torch._inductor.utils import fresh_cache
+
+    x, idx = torch.randn(16, 32), torch.tensor([1, 3])
+    with fresh_cache():
+        graph = CpuGraph("g", _gather, [x, idx], True, _CPP_WRAPPER)
+    torch.testing.assert_close(graph.replay(), _gather(x, idx))
+    idx.fill_(1000)
+    with pytest.raises(RuntimeError):
+        graph.replay()
+    idx.copy_(torch.tensor([2, 5]))
+    torch.testing.assert_close(graph.replay(), _gather(x, idx))

@@ -442,13 +442,17 @@ std::vector<int64_t> cpu_allocator_stats() {
 void cpu_allocator_trim() { CachingCpuAllocator::instance().trim(); }
 
 int64_t graph_entry_make(const std::vector<at::Tensor>& inputs, int64_t impl,
-                         int64_t num_outputs) {
+                         int64_t num_outputs, int64_t borrowed) {
     TORCH_CHECK(impl != 0 && num_outputs >= 0, "graph_entry_make: no entry, or outputs < 0");
     auto* e = new GraphEntry{reinterpret_cast<GraphEntry::Impl>(impl), {}, num_outputs};
     e->inputs.reserve(inputs.size());
     for (const auto& t : inputs) {
         TORCH_CHECK(t.defined() && t.has_storage(), "graph_entry_make: an input has no storage");
         e->inputs.push_back(alias_of(t));
+    }
+    if (borrowed != 0) {
+        e->borrowed = reinterpret_cast<GraphEntry::Impl>(borrowed);
+        e->lend();
     }
     return reinterpret_cast<int64_t>(e);
 }
@@ -467,7 +471,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("cpu_allocator_install(int cap_bytes) -> ()", &cpu_allocator_install);
     m.def("cpu_allocator_stats() -> int[]", &cpu_allocator_stats);
     m.def("cpu_allocator_trim() -> ()", &cpu_allocator_trim);
-    m.def("graph_entry_make(Tensor[] inputs, int impl, int num_outputs) -> int",
+    m.def("graph_entry_make(Tensor[] inputs, int impl, int num_outputs, int borrowed=0) -> int",
           &graph_entry_make);
     m.def("graph_entry_free(int entry) -> ()", &graph_entry_free);
     m.def("graph_entry_caller() -> int", &graph_entry_caller);

@@ -12,6 +12,9 @@
 // no Python object, whose handles are plain reference counts. A replay reads whatever was
 // written into that memory, as a device graph does; a tensor that later replaces an input
 // is not seen (it was not seen before either: the graph runner checks the addresses).
+// A module compiled with static buffers (platforms/inductor_static.py) also exports an
+// entry that borrows the input handles rather than taking them: its handles are made once
+// at bind and lent to every call, so a replay makes and frees no handle per input.
 #ifndef DECODEGRAPH_GRAPH_ENTRY_H
 #define DECODEGRAPH_GRAPH_ENTRY_H
 
@@ -34,6 +37,24 @@ struct GraphEntry {
     Impl impl;
     std::vector<at::Tensor> inputs;  // aliases without Python objects
     int64_t num_outputs;
+    // A static-buffer module's entry that borrows its input handles (platforms/
+    // inductor_static.py): the handles below, made once and lent to every call, instead
+    // of a handle made and freed per input per call. Null: `impl`, handles per call.
+    Impl borrowed = nullptr;
+    std::vector<AtenTensorHandle> lent;
+
+    ~GraphEntry() { drop_lent(); }
+
+    void lend() {
+        lent.resize(inputs.size());
+        for (size_t i = 0; i < inputs.size(); i++)
+            lent[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(inputs[i]));
+    }
+    void drop_lent() {
+        for (AtenTensorHandle h : lent)
+            delete reinterpret_cast<at::Tensor*>(h);
+        lent.clear();
+    }
 };
 
 // An alias of t: another tensor object over the same memory and layout.
@@ -57,17 +78,34 @@ constexpr size_t kOutputSlack = 16;
 extern "C" inline PyObject* decodegraph_graph_entry_call(void* entry) {
     auto* e = static_cast<decodegraph::GraphEntry*>(entry);
     const size_t n = static_cast<size_t>(e->num_outputs);
-    std::vector<AtenTensorHandle> in(e->inputs.size());
     std::vector<AtenTensorHandle> out(n + kOutputSlack, nullptr);
-    for (size_t i = 0; i < in.size(); i++)
-        in[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(e->inputs[i]));
+    // The entry nulls the array it is given: a copy of the lent handles, or new ones that
+    // it takes.
+    std::vector<AtenTensorHandle> in = e->lent;
+    if (e->borrowed == nullptr) {
+        in.resize(e->inputs.size());
+        for (size_t i = 0; i < in.size(); i++)
+            in[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(e->inputs[i]));
+    }
+    const char* failure = nullptr;
     try {
-        e->impl(in.data(), out.data());  // takes the input handles
+        (e->borrowed != nullptr ? e->borrowed : e->impl)(in.data(), out.data());
     } catch (const std::exception& err) {
         PyErr_SetString(PyExc_RuntimeError, err.what());
-        return nullptr;
+        failure = "";
     } catch (...) {
-        PyErr_SetString(PyExc_RuntimeError, "a compiled graph's entry failed");
+        failure = "a compiled graph's entry failed";
+    }
+    if (failure != nullptr) {
+        if (e->borrowed != nullptr) {
+            // Unwinding freed the handles the entry still held: which of the lent ones
+            // are gone is unknown, so none is freed or lent again; the next call lends
+            // new ones.
+            e->lent.clear();
+            e->lend();
+        }
+        if (*failure != '\0')
+            PyErr_SetString(PyExc_RuntimeError, failure);
         return nullptr;
     }
     std::vector<at::Tensor> tensors(out.size());
