@@ -21,11 +21,20 @@ the allocator's teardown). Two graphs that compiled to the same module (two engi
 one model in a process) share its buffers, which is safe because calls in one thread
 never overlap. DECODEGRAPH_CPU_STATIC_BUFFERS=0 compiles plain wrappers.
 
-The wrapper is Inductor's CppWrapperCpu with four methods overridden; it is registered
+The module's inputs are lent, not given, where the caller can lend them. Inductor's entry
+takes a handle per input and frees each when the graph is done with it, so a caller
+makes one per input per call (a graph of stories260K has 55 inputs, most of them
+weights). A static module also exports BORROWED_ENTRY, which runs the same entry with a
+thread-local flag set, under which every input is given back instead of freed; a bound
+graph (csrc/graph_entry.h) makes its handles once and lends them to every call. A module
+that returns an input, or moves one, has no such entry. The usual entry (the module's
+Python `call`) keeps Inductor's ownership.
+
+The wrapper is Inductor's CppWrapperCpu with some methods overridden; it is registered
 for the CPU device only while `static_buffers()` is active (the graph's compile), and
-a post-grad pass that changes nothing but carries a version keeps its modules apart from
-plain ones in Inductor's FX graph cache. An Inductor without these hooks compiles plain
-wrappers.
+a post-grad pass that changes nothing but carries VERSION keeps its modules apart from
+plain ones in Inductor's FX graph cache (and cpu_graph_cache's index keys them by it).
+An Inductor without these hooks compiles plain wrappers.
 """
 
 from __future__ import annotations
