@@ -181,13 +181,20 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
     });
 }
 
+// A new CPU tensor of x's dtype: c10's CPU allocator directly, without the dispatcher
+// call of at::empty or Tensor::new_empty (these operators run once per layer in a
+// batch-1 graph).
+at::Tensor empty_of(const at::Tensor& x, at::IntArrayRef sizes) {
+    return at::detail::empty_cpu(sizes, x.scalar_type(), /*pin_memory=*/false, std::nullopt);
+}
+
 at::Tensor paged_attention_windowed_capped(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
     const at::Tensor& num_reqs_host, double scale, const at::Tensor& workspace,
     int64_t sliding_window, double logits_soft_cap) {
-    auto out = at::empty({query.size(0), query.size(1)}, query.options());
+    auto out = empty_of(query, {query.size(0), query.size(1)});
     paged_attention_out(query, key, value, k_cache, v_cache, slot_mapping, block_tables,
                         query_start_loc, seq_lens, num_reqs_host, scale, workspace,
                         sliding_window, logits_soft_cap, out);
@@ -209,12 +216,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key,
 
 // aten's grain size for pointwise ops (at::internal::GRAIN_SIZE): values per thread below
 // which splitting costs more than it saves.
-// A new CPU tensor of x's dtype: c10's CPU allocator directly, without the dispatcher
-// call of Tensor::new_empty (these operators run once per layer in a batch-1 graph).
-at::Tensor empty_of(const at::Tensor& x, at::IntArrayRef sizes) {
-    return at::detail::empty_cpu(sizes, x.scalar_type(), /*pin_memory=*/false, std::nullopt);
-}
-
 constexpr int64_t kGrainValues = 32768;
 
 // fn(first_row, num_rows) over [0, rows), in ranges of at least kGrainValues values
