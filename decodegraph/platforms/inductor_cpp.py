@@ -7,7 +7,8 @@ side by side), so the next graph lowers meanwhile; the entry function waits for 
 build on its first call. `entry_call` calls a module's C++ entry with its inputs'
 handles, without the module's Python loop over them; `bind_entry` binds the entry to a
 graph's inputs once (csrc/graph_entry.h: aliases without Python objects), so that a
-replay makes no handle from a Python tensor at all.
+replay makes no handle from a Python tensor at all, and gives a builtin function of no
+arguments that calls it (a replay's call is a C method's, not a ctypes call's).
 
 Both lean on Inductor's code cache (`CppWrapperCodeCache.load_pybinding_async`,
 `codecache._worker_compile_cpp`) and on the generated module's globals; where those are
@@ -20,7 +21,6 @@ import contextlib
 import ctypes
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -184,24 +184,10 @@ def bind_entry(
     borrowed = getattr(library, inductor_static.BORROWED_ENTRY, None)
     borrowed_address = ctypes.cast(borrowed, ctypes.c_void_p).value if borrowed else None
     handle = ops.graph_entry_make(list(args), impl, num_outputs, borrowed_address or 0)
-    bound = _BoundEntry(_caller_type(ops.graph_entry_caller()), handle)
-    weakref.finalize(bound, ops.graph_entry_free, handle)
-    return bound
+    # A builtin function that owns the entry (graph_entry.h): a replay costs a C
+    # method's call, not a ctypes call's.
+    return _binder_type(ops.graph_entry_binder())(handle)
 
 
-# decodegraph_graph_entry_call's prototype: it keeps the GIL (the entry releases it
-# itself) and raises the Python error the function sets.
-_caller_type = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p)
-
-
-class _BoundEntry:
-    """A module's C++ entry bound to its inputs' aliases (bind_entry)."""
-
-    __slots__ = ("__weakref__", "_call", "_handle")
-
-    def __init__(self, call: Any, handle: int) -> None:
-        self._call = call
-        self._handle = ctypes.c_void_p(handle)
-
-    def __call__(self) -> list:
-        return self._call(self._handle)
+# decodegraph_graph_entry_bind's prototype (the GIL held).
+_binder_type = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_int64)

@@ -518,6 +518,7 @@ def test_a_bound_entry_gives_the_modules_outputs_and_frees_its_aliases_with_the_
     cpu_ops: object,
 ) -> None:
     import gc
+    import types
 
     from decodegraph.platforms import inductor_cpp
 
@@ -525,7 +526,7 @@ def test_a_bound_entry_gives_the_modules_outputs_and_frees_its_aliases_with_the_
     graph, module = _cpp_wrapper_graph(x, w)
     uses = torch._C._storage_Use_Count(w.untyped_storage()._cdata)
     bound = inductor_cpp.bind_entry(module.call, [x, w], 1)
-    assert bound is not None
+    assert isinstance(bound, types.BuiltinFunctionType)  # a C method's call, not ctypes'
     assert torch._C._storage_Use_Count(w.untyped_storage()._cdata) == uses + 1  # its alias
     (out,) = bound()
     torch.testing.assert_close(out, module.call([x, w])[0])

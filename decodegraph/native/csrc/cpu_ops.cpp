@@ -28,9 +28,9 @@
 // front of c10's default by the CPU platform: install with a cap in bytes (0: take it
 // out again), its statistics, and freeing what it holds.
 //
-// graph_entry_make, graph_entry_free: a compiled graph's C++ entry bound to aliases of
-// its inputs (csrc/graph_entry.h), as an address; graph_entry_caller: the address of the
-// C function that calls one (decodegraph_graph_entry_call).
+// graph_entry_make: a compiled graph's C++ entry bound to aliases of its inputs
+// (csrc/graph_entry.h), as an address; graph_entry_binder: the address of the C function
+// that makes a Python callable of it, which owns it (decodegraph_graph_entry_bind).
 //
 // decodegraph_shim_<op> (at the end): the C shims of the operators a compiled graph
 // calls. Inductor's C++ wrapper calls an operator it has a C shim for (its config's
@@ -458,9 +458,7 @@ int64_t graph_entry_make(const std::vector<at::Tensor>& inputs, int64_t impl,
     return reinterpret_cast<int64_t>(e);
 }
 
-void graph_entry_free(int64_t entry) { delete reinterpret_cast<GraphEntry*>(entry); }
-
-int64_t graph_entry_caller() { return reinterpret_cast<int64_t>(&decodegraph_graph_entry_call); }
+int64_t graph_entry_binder() { return reinterpret_cast<int64_t>(&decodegraph_graph_entry_bind); }
 
 }  // namespace
 
@@ -474,8 +472,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("cpu_allocator_trim() -> ()", &cpu_allocator_trim);
     m.def("graph_entry_make(Tensor[] inputs, int impl, int num_outputs, int borrowed=0) -> int",
           &graph_entry_make);
-    m.def("graph_entry_free(int entry) -> ()", &graph_entry_free);
-    m.def("graph_entry_caller() -> int", &graph_entry_caller);
+    m.def("graph_entry_binder() -> int", &graph_entry_binder);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");

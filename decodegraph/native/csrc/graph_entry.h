@@ -68,8 +68,8 @@ inline at::Tensor alias_of(const at::Tensor& t) {
 
 }  // namespace decodegraph
 
-// Called through a ctypes PYFUNCTYPE prototype (the GIL held; the entry releases it while
-// it runs): the graph's outputs as a list of tensors (None where the graph returns no
+// Called by a bound entry's callable (decodegraph_graph_entry_bind, below) with the GIL
+// held (the entry releases it while it runs): the graph's outputs as a list of tensors (None where the graph returns no
 // tensor), or NULL with a Python RuntimeError set. The output array has room for
 // kOutputSlack handles past num_outputs: an entry that writes there returned more than
 // its graph was bound with, which is refused rather than written past the array.
@@ -131,4 +131,35 @@ extern "C" inline PyObject* decodegraph_graph_entry_call(void* entry) {
     return list;
 }
 
+namespace decodegraph {
+inline constexpr const char* kGraphEntryCapsule = "decodegraph.GraphEntry";
+
+inline PyObject* bound_entry_call(PyObject* capsule, PyObject* /*unused*/) {
+    void* e = PyCapsule_GetPointer(capsule, kGraphEntryCapsule);
+    return e == nullptr ? nullptr : decodegraph_graph_entry_call(e);
+}
+
+inline PyMethodDef bound_entry_def = {"bound_graph_entry", bound_entry_call, METH_NOARGS,
+                                      "A compiled graph's C++ entry over its bound inputs."};
+}  // namespace decodegraph
+
+// A Python callable of no arguments that calls the entry (a GraphEntry*, from
+// graph_entry_make) and owns it: the entry is freed with the callable. A builtin function
+// over a capsule, so that a replay's call costs what a C method's does rather than a
+// ctypes call's. Called once per bind through a ctypes PYFUNCTYPE prototype (the GIL held);
+// NULL with a Python error set where it cannot be made (the entry is freed then too).
+extern "C" inline PyObject* decodegraph_graph_entry_bind(int64_t entry) {
+    auto* e = reinterpret_cast<decodegraph::GraphEntry*>(entry);
+    PyObject* capsule = PyCapsule_New(e, decodegraph::kGraphEntryCapsule, [](PyObject* c) {
+        delete static_cast<decodegraph::GraphEntry*>(
+            PyCapsule_GetPointer(c, decodegraph::kGraphEntryCapsule));
+    });
+    if (capsule == nullptr) {
+        delete e;
+        return nullptr;
+    }
+    PyObject* fn = PyCFunction_New(&decodegraph::bound_entry_def, capsule);
+    Py_DECREF(capsule);  // the function holds it, or it is freed with the entry
+    return fn;
+}
 #endif
