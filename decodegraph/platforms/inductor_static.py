@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -79,7 +80,9 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+@functools.cache
 def _wrapper_class() -> type | None:
+    """The wrapper class, made once (None where this Inductor lacks what it overrides)."""
     try:
         from torch._inductor import ir
         from torch._inductor.codegen.common import IndentedBuffer
@@ -110,7 +113,7 @@ def _wrapper_class() -> type | None:
 
         def run_wrapper_ir_passes(self, is_inference: bool) -> None:
             super().run_wrapper_ir_passes(is_inference)
-            self._into_outputs = _into_outputs(self.lines)
+            self._into_outputs = _reaching_outputs(self.lines)
 
         def _may_be_static(self, name: str, dtype: torch.dtype, shape: Any) -> bool:
             if (
@@ -227,7 +230,7 @@ def _wrapper_class() -> type | None:
         """An input's early free: given back to a caller that lends its handles."""
         return f"if ({BORROWED_FLAG}) {name}.release(); else {name}.reset();"
 
-    def _into_outputs(lines: list[Any]) -> set[str]:
+    def _reaching_outputs(lines: list[Any]) -> set[str]:
         """Every buffer whose memory ends up in a graph output: the outputs, the buffers
         an output views (a non-owning layout), and, transitively, those a buffer of
         these reuses."""
