@@ -8,7 +8,6 @@ become trailing inputs of the compiled function, never copies.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -203,10 +202,7 @@ def start_inductor_compile(
         functorch_config.patch(enable_autograd_cache=False),
         tracing(TracingContext(fake_mode)),
         cpp_builds_in_background(),
-        inductor_static.static_buffers()
-        if static
-        else contextlib.nullcontext({}) as static_options,
-        inductor_config.patch(static_options),
+        inductor_static.static_buffers(static),
     ):
         wrapped = compile_fx(gm, fake_args, inner_compile=capture_inner)
 

@@ -175,18 +175,23 @@ def bind_entry(
         return None
     try:
         library = ctypes.CDLL(path)
-        impl = ctypes.cast(getattr(library, _ENTRY_IMPL_SYMBOL), ctypes.c_void_p).value
-    except (OSError, AttributeError):
+    except OSError:
         return None
+    impl = _symbol_address(library, _ENTRY_IMPL_SYMBOL)
     if not impl:
         return None
     # A static-buffer module's entry that borrows the input handles (inductor_static).
-    borrowed = getattr(library, inductor_static.BORROWED_ENTRY, None)
-    borrowed_address = ctypes.cast(borrowed, ctypes.c_void_p).value if borrowed else None
-    handle = ops.graph_entry_make(list(args), impl, num_outputs, borrowed_address or 0)
+    borrowed = _symbol_address(library, inductor_static.BORROWED_ENTRY)
+    handle = ops.graph_entry_make(list(args), impl, num_outputs, borrowed)
     # A builtin function that owns the entry (graph_entry.h): a replay costs a C
     # method's call, not a ctypes call's.
     return _binder_type(ops.graph_entry_binder())(handle)
+
+
+def _symbol_address(library: ctypes.CDLL, name: str) -> int:
+    """The address of `name` in `library`, or 0 where it has none."""
+    symbol = getattr(library, name, None)
+    return (ctypes.cast(symbol, ctypes.c_void_p).value or 0) if symbol is not None else 0
 
 
 # decodegraph_graph_entry_bind's prototype (the GIL held).

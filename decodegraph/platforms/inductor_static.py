@@ -42,15 +42,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ENV = "DECODEGRAPH_CPU_STATIC_BUFFERS"
 # Intermediates made static per module, in bytes; past it, allocations stay per call.
@@ -101,6 +98,8 @@ def _wrapper_class() -> type | None:
             # Buffers whose memory a graph output is or aliases, once planned (None
             # before: nothing is static then).
             self._into_outputs: set[str] | None = None
+            # Whether the module may lend its inputs (set with its return).
+            self._borrowable = False
 
         @staticmethod
         def create(
@@ -151,23 +150,23 @@ def _wrapper_class() -> type | None:
                 declare = plain()
             finally:
                 self.wrapper_call = saved
-            body = [line for line in lines._lines]
+            body = list(lines._lines)
             if not all(isinstance(line, str) for line in body) or declare != (
                 f"RAIIAtenTensorHandle {name}({name}_handle);"
             ):
                 for line in body:  # not the shape this module knows: as Inductor wrote it
                     self.wrapper_call.writeline(line)
                 return declare
+            arrays = [line for line in body if line.lstrip().startswith("static constexpr")]
             keep = f"{name}_static"
-            for line in body:
-                if line.lstrip().startswith("static constexpr"):
-                    self.wrapper_call.writeline(line)
+            for line in arrays:
+                self.wrapper_call.writeline(line)
             self.wrapper_call.writeline(
                 f"static thread_local RAIIAtenTensorHandle& {keep} = *new RAIIAtenTensorHandle();"
             )
             self.wrapper_call.writeline(f"if (!{keep}.get()) {{")
             for line in body:
-                if not line.lstrip().startswith("static constexpr"):
+                if line not in arrays:
                     self.wrapper_call.writeline("    " + line)
             self.wrapper_call.writeline(f"    {keep} = RAIIAtenTensorHandle({name}_handle);")
             self.wrapper_call.writeline("}")
@@ -209,7 +208,7 @@ def _wrapper_class() -> type | None:
             super().generate_before_suffix(result)
             body = self.wrapper_call.getvalue()
             moved = [line for line in body.splitlines() if "std::move(arg" in line]
-            if V.graph.aot_mode or not getattr(self, "_borrowable", False) or moved:
+            if V.graph.aot_mode or not self._borrowable or moved:
                 return
             result.splice(_BORROWED_ENTRY)
 
@@ -275,26 +274,25 @@ def _version_pass() -> Any:
 
 
 @contextlib.contextmanager
-def static_buffers() -> Iterator[dict[str, object]]:
-    """While active, CPU graphs compile with the static-buffer wrapper. Yields the
-    Inductor options to compile under (empty where this Inductor lacks the hooks)."""
-    try:
-        from torch._inductor.codegen import common
-    except ImportError:
-        yield {}
+def static_buffers(active: bool = True) -> Iterator[None]:
+    """While active, CPU graphs compile with the static-buffer wrapper, under the version
+    pass. Nothing changes where `active` is false or this Inductor lacks the hooks."""
+    wrapper = _wrapper_class() if active else None
+    if wrapper is None:
+        yield
         return
-    wrapper = _wrapper_class()
-    codegens = getattr(common, "device_codegens", None)
-    if wrapper is None or codegens is None or not hasattr(common, "init_backend_registration"):
-        yield {}
-        return
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codegen import common
+
     common.init_backend_registration()
-    cpu = codegens.get("cpu")
+    cpu = common.device_codegens.get("cpu")
     if cpu is None or not dataclasses.is_dataclass(cpu):
-        yield {}
+        yield
         return
+    codegens = common.device_codegens
     codegens["cpu"] = dataclasses.replace(cpu, cpp_wrapper_codegen=wrapper)
     try:
-        yield {"post_grad_custom_post_pass": _version_pass()}
+        with inductor_config.patch(post_grad_custom_post_pass=_version_pass()):
+            yield
     finally:
         codegens["cpu"] = cpu

@@ -442,17 +442,19 @@ std::vector<int64_t> cpu_allocator_stats() {
 
 void cpu_allocator_trim() { CachingCpuAllocator::instance().trim(); }
 
+// `borrowed`: the module's entry that borrows its input handles, or 0 (`impl` takes them).
 int64_t graph_entry_make(const std::vector<at::Tensor>& inputs, int64_t impl,
                          int64_t num_outputs, int64_t borrowed) {
     TORCH_CHECK(impl != 0 && num_outputs >= 0, "graph_entry_make: no entry, or outputs < 0");
-    auto* e = new GraphEntry{reinterpret_cast<GraphEntry::Impl>(impl), {}, num_outputs};
+    auto* e = new GraphEntry{reinterpret_cast<GraphEntry::Impl>(borrowed != 0 ? borrowed : impl),
+                             {}, num_outputs};
     e->inputs.reserve(inputs.size());
     for (const auto& t : inputs) {
         TORCH_CHECK(t.defined() && t.has_storage(), "graph_entry_make: an input has no storage");
         e->inputs.push_back(alias_of(t));
     }
     if (borrowed != 0) {
-        e->borrowed = reinterpret_cast<GraphEntry::Impl>(borrowed);
+        e->lends = true;
         e->lend();
     }
     return reinterpret_cast<int64_t>(e);

@@ -37,23 +37,21 @@ struct GraphEntry {
     Impl impl;
     std::vector<at::Tensor> inputs;  // aliases without Python objects
     int64_t num_outputs;
-    // A static-buffer module's entry that borrows its input handles (platforms/
-    // inductor_static.py): the handles below, made once and lent to every call, instead
-    // of a handle made and freed per input per call. Null: `impl`, handles per call.
-    Impl borrowed = nullptr;
+    // Whether `impl` is a static-buffer module's entry that borrows its input handles
+    // (platforms/inductor_static.py): the handles below, made once and lent to every
+    // call, instead of a handle made and freed per input per call.
+    bool lends = false;
     std::vector<AtenTensorHandle> lent;
 
-    ~GraphEntry() { drop_lent(); }
+    ~GraphEntry() {
+        for (AtenTensorHandle h : lent)
+            delete reinterpret_cast<at::Tensor*>(h);
+    }
 
     void lend() {
         lent.resize(inputs.size());
         for (size_t i = 0; i < inputs.size(); i++)
             lent[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(inputs[i]));
-    }
-    void drop_lent() {
-        for (AtenTensorHandle h : lent)
-            delete reinterpret_cast<at::Tensor*>(h);
-        lent.clear();
     }
 };
 
@@ -69,8 +67,8 @@ inline at::Tensor alias_of(const at::Tensor& t) {
 }  // namespace decodegraph
 
 // Called by a bound entry's callable (decodegraph_graph_entry_bind, below) with the GIL
-// held (the entry releases it while it runs): the graph's outputs as a list of tensors (None where the graph returns no
-// tensor), or NULL with a Python RuntimeError set. The output array has room for
+// held (the entry releases it while it runs): the graph's outputs as a list of tensors
+// (None where the graph returns no tensor), or NULL with a Python RuntimeError set. The output array has room for
 // kOutputSlack handles past num_outputs: an entry that writes there returned more than
 // its graph was bound with, which is refused rather than written past the array.
 constexpr size_t kOutputSlack = 16;
@@ -82,30 +80,28 @@ extern "C" inline PyObject* decodegraph_graph_entry_call(void* entry) {
     // The entry nulls the array it is given: a copy of the lent handles, or new ones that
     // it takes.
     std::vector<AtenTensorHandle> in = e->lent;
-    if (e->borrowed == nullptr) {
+    if (!e->lends) {
         in.resize(e->inputs.size());
         for (size_t i = 0; i < in.size(); i++)
             in[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(e->inputs[i]));
     }
-    const char* failure = nullptr;
+    bool failed = true;
     try {
-        (e->borrowed != nullptr ? e->borrowed : e->impl)(in.data(), out.data());
+        e->impl(in.data(), out.data());
+        failed = false;
     } catch (const std::exception& err) {
         PyErr_SetString(PyExc_RuntimeError, err.what());
-        failure = "";
     } catch (...) {
-        failure = "a compiled graph's entry failed";
+        PyErr_SetString(PyExc_RuntimeError, "a compiled graph's entry failed");
     }
-    if (failure != nullptr) {
-        if (e->borrowed != nullptr) {
+    if (failed) {
+        if (e->lends) {
             // Unwinding freed the handles the entry still held: which of the lent ones
             // are gone is unknown, so none is freed or lent again; the next call lends
             // new ones.
             e->lent.clear();
             e->lend();
         }
-        if (*failure != '\0')
-            PyErr_SetString(PyExc_RuntimeError, failure);
         return nullptr;
     }
     std::vector<at::Tensor> tensors(out.size());
