@@ -166,10 +166,11 @@ struct RowFetch {
 
 // attend_group for float32 at constant D, G and BS with the whole context in view (no
 // sliding window, no soft-capping), where the G x D accumulators are few enough for
-// registers: three straight passes, each a loop over whole blocks and then the last
-// block's live vectors, with no per-vector branch (attend_group's loops, one body for
-// full and partial vectors, keep their accumulators in memory). The same sums in the same
-// order as attend_group's, so the same result to the bit.
+// registers: two straight passes (the scores; the weights, each made as its vector of V
+// is weighed), each a loop over whole blocks and then the last block's live vectors, with
+// no per-vector branch (attend_group's loops, one body for full and partial vectors, keep
+// their accumulators in memory). The same sums in the same order as attend_group's, so
+// the same result to the bit.
 template <int64_t D, int64_t G, int64_t BS>
 void attend_group_blocks(const float* q, const float* kc, const float* vc, const int32_t* bt,
                          int64_t len, int64_t tile_stride, int64_t tile_off, float scale,
@@ -223,27 +224,20 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
     each_vector(kc, score);
     for (int64_t j = 0; j < G; j++)
         m[j] = Vec(max(m[j]));
-    // Weights over the scores in place, 0 past the context, and their sums.
-    const int64_t vectors = (len + kLanes - 1) / kLanes;
-    for (int64_t v = 0; v < vectors; v++) {
-        const int64_t p = v * kLanes, n = len - p < kLanes ? len - p : kLanes;
-        for (int64_t j = 0; j < G; j++) {
-            float* x = sc + j * sc_stride + p;
-            Vec e = exp(Vec::loadu(x) - m[j]);
-            if (n < kLanes)
-                e = Vec::blendv(Vec(0.f), e, lanes(0, n));
-            e.store(x);
-            l[j] = l[j] + e;
-        }
-    }
-    // The weighted sums of V; past the context both the weights and V's loads are 0.
+    // The weighted sums of V, each vector's weights made as it is weighed (exp of the
+    // score less the maximum, 0 past the context, added to their sum): V's loads past the
+    // context are 0 too.
     std::array<Vec, G * D> acc;
     for (int64_t i = 0; i < G * D; i++)
         acc[i] = Vec(0.f);
     auto weigh = [&](const float* v, int64_t p, int64_t n) DG_INLINE {
         std::array<Vec, G> w;
-        for (int64_t j = 0; j < G; j++)
-            w[j] = Vec::loadu(sc + j * sc_stride + p);
+        for (int64_t j = 0; j < G; j++) {
+            w[j] = exp(Vec::loadu(sc + j * sc_stride + p) - m[j]);
+            if (n < kLanes)
+                w[j] = Vec::blendv(Vec(0.f), w[j], lanes(0, n));
+            l[j] = l[j] + w[j];
+        }
         for (int64_t i = 0; i < D; i++) {
             const Vec vv = n == kLanes ? Vec::loadu(v + i * BS) : Vec::loadu(v + i * BS, n);
             for (int64_t j = 0; j < G; j++)
@@ -445,9 +439,9 @@ inline void prefetch_tiles(const void* k_cache, const void* v_cache, const int32
     }
 }
 
-// What a decode row fetches ahead (paged_attention_requests): while it attends one KV
-// head, the next head's tiles; while it attends its last, the next row's first head's
-// (`bt` null: none); and all along, a later row's blocks (`later`, null: none).
+// What a decode row fetches ahead (paged_attention_requests): all along, a later row's
+// blocks (`later`, null: none); or else, while it attends one KV head, the next head's
+// tiles, and while it attends its last, the next row's first head's (`bt` null: none).
 struct Lookahead {
     const int32_t* bt;
     int64_t start, len;
@@ -469,12 +463,13 @@ inline void attend_row(const void* q_row, void* o_row, const void* k_cache, cons
     const int64_t max_g = fit < kMaxGroup ? fit : kMaxGroup;
     float qf[kMaxGroupAcc > kMaxHead ? kMaxGroupAcc : kMaxHead], of[sizeof qf / sizeof(float)];
     RowFetch* const later = ahead != nullptr ? ahead->later : nullptr;
+    const bool tiles = ahead != nullptr && later == nullptr;
     for (int64_t h = 0; h < num_heads; h += g) {
         const int64_t off = (h / g) * tile;
-        if (ahead != nullptr && h + g < num_heads)
+        if (tiles && h + g < num_heads)
             prefetch_tiles(k_cache, v_cache, bt, start / bs, (len + bs - 1) / bs, tile_stride,
                            off + tile, tile, elem);
-        else if (ahead != nullptr && ahead->bt != nullptr)
+        else if (tiles && ahead->bt != nullptr)
             prefetch_tiles(k_cache, v_cache, ahead->bt, ahead->start / bs,
                            (ahead->len + bs - 1) / bs, tile_stride, 0, tile, elem);
         for (int64_t h0 = h; h0 < h + g; h0 += max_g) {
@@ -594,8 +589,9 @@ constexpr int64_t kRowsAhead = 4;
 // arrives on Intel cores, so a row's burst of them stalls the loads behind it: there the
 // burst cost more than it saved, even with the caches in memory, while AMD cores gained
 // from it (docs/performance.md, "rows ahead"). The fetch is now trickled (RowFetch), not
-// a burst; Intel cores keep it off until that is measured there. The next KV head's tiles
-// are fetched into L1 either way.
+// a burst; Intel cores keep it off until that is measured there. Where it is on, a row no
+// longer fetches its next KV head's tiles into L1 as well: on a Zen 4 those fetches cost
+// more instructions than their loads then waited (docs/performance.md, 2026-12-06).
 inline bool fetch_rows_ahead() {
     static const bool yes = env_switch("DECODEGRAPH_CPU_ROWS_AHEAD", !cpu_is_intel());
     return yes;
@@ -605,7 +601,7 @@ inline bool fetch_rows_ahead() {
 // paged_attention_begin), with `work` holding one thread's workspace. Where their K and V
 // are large (kLookaheadBytes), decode rows fetch ahead at two distances: each row's blocks
 // kRowsAhead rows early into L2, trickled over the vectors of the row kRowsAhead before it
-// (RowFetch; where fetch_rows_ahead), and each KV head's tiles one head early into L1
+// (RowFetch; where fetch_rows_ahead), or else each KV head's tiles one head early into L1
 // (Lookahead). Blocks are scattered, so the hardware
 // prefetchers cannot see the next tile coming, and each tile's first loads would otherwise
 // wait on memory in turn.
