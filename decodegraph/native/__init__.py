@@ -11,6 +11,8 @@
 - `decodegraph_cpu::rotary_embedding` (csrc/rotary_embedding.h, bit for bit the
   tensor-op formula) and `silu_and_mul` (vLLM's name, csrc/activation.h): one pass each
   instead of five and three ops per layer.
+- `decodegraph_cpu::argmax_rows` (csrc/argmax.h): greedy sampling's first maximum per
+  row, vectorised (torch's CPU `max(dim)` reduces a row a value at a time).
 - `decodegraph_cpu::linear_one_row` (csrc/linear.h): one row times a float32 or bfloat16
   weight (bf16 summed in float32), its output rows split over the intra-op threads:
   BLAS's one-row product reads the weights on one thread (layers/linear.py uses it at
@@ -186,6 +188,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("decodegraph_cpu::silu_and_mul")
     def _(x):  # noqa: ANN001, ANN202
         return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("decodegraph_cpu::argmax_rows")
+    def _(x):  # noqa: ANN001, ANN202
+        return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake("decodegraph_cpu::linear_one_row")
     def _(x, weight, bias):  # noqa: ANN001, ANN202

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from decodegraph import native
 from decodegraph.outputs import Logprob
 from decodegraph.sample.metadata import SamplingMetadata
 
@@ -28,10 +29,21 @@ class SamplerOutput(NamedTuple):
     logprobs: list[dict[int, Logprob] | None] | None
 
 
+# Logits below which greedy() takes torch's argmax or max(dim) rather than the CPU
+# operator: there a call's overhead is most of the work (docs/performance.md).
+NATIVE_ARGMAX_MIN_VALUES = 1024
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Per row, the index of the first maximum. On CPU `max(dim)` computes it faster
-    than `argmax` for many rows, and one row is faster through `argmax`
-    (docs/performance.md)."""
+    """Per row, the index of the first maximum (a NaN counts as the maximum, as in torch).
+    On CPU in float32, for more than a few thousand logits, the native operator
+    (csrc/argmax.h: vectorised, where torch's CPU max(dim) reduces a row a value at a
+    time); otherwise one row through `argmax` and many through `max(dim)`, the faster of
+    the two for each (docs/performance.md)."""
+    if logits.dim() == 2 and logits.numel() >= NATIVE_ARGMAX_MIN_VALUES:
+        ops = native.cpu_ops_for(logits)
+        if ops is not None:
+            return ops.argmax_rows(logits)
     if logits.shape[0] == 1:
         return logits.argmax(dim=-1)
     return logits.max(dim=-1).indices

@@ -33,6 +33,7 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
         "rms_norm": lambda: cpu_ops.rms_norm(x, w, 1e-5),
         "fused_add_rms_norm": lambda: cpu_ops.fused_add_rms_norm(x, res, w, 1e-5),
         "rotary_embedding": lambda: cpu_ops.rotary_embedding(qk, cos, sin),
+        "argmax_rows": lambda: cpu_ops.argmax_rows(wide),
     }
 
 
@@ -47,6 +48,7 @@ def _ops(cpu_ops: object) -> dict[str, Callable[[], object]]:
         "rms_norm",
         "fused_add_rms_norm",
         "rotary_embedding",
+        "argmax_rows",
     ],
 )
 def test_row_wise_operators_give_the_same_bits_on_any_number_of_threads(
@@ -66,6 +68,56 @@ def test_row_wise_operators_give_the_same_bits_on_any_number_of_threads(
             strict=True,
         ):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 16, 17, 512, 32000, 151936])
+def test_the_argmax_operator_gives_torchs_first_maximum(cpu_ops: object, vocab: int) -> None:
+    """Random rows, rows of a few distinct values (many ties: the first one wins), rows
+    all equal, infinities, zeros of both signs, a strided view: torch's max(dim) indices.
+    Covers a row shorter than a vector, whole vectors, and a partial last vector."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [
+        torch.randn(5, vocab, generator=gen),
+        torch.randint(0, 3, (5, vocab), generator=gen).float(),
+        torch.full((2, vocab), -3.0),
+        torch.full((2, vocab), float("-inf")),
+    ]
+    mixed = torch.randn(4, vocab, generator=gen)
+    mixed[0, vocab // 2] = float("inf")
+    mixed[1, :] = 0.0
+    mixed[1, torch.arange(vocab - 1, -1, -3)] = -0.0
+    mixed[2, :] = float("-inf")
+    mixed[2, vocab - 1] = -1e30
+    rows.append(mixed)
+    wide = torch.randn(6, vocab + 5, generator=gen)
+    rows.append(wide[:, 3 : 3 + vocab])  # rows vocab + 5 apart, at an offset
+    for x in rows:
+        got = cpu_ops.argmax_rows(x)
+        assert got.dtype == torch.long and got.shape == (x.shape[0],)
+        assert torch.equal(got, x.max(dim=-1).indices), x
+
+
+@pytest.mark.parametrize("vocab", [5, 512, 1001])
+def test_the_argmax_operator_takes_the_first_nan_as_torch_does(cpu_ops: object, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, vocab, generator=gen)
+    x[0, vocab - 1] = float("nan")
+    x[1, 2] = float("nan")
+    x[1, vocab - 2] = float("nan")
+    x[2, :] = float("nan")
+    x[3, vocab // 2] = float("inf")
+    x[3, vocab // 2 + 1] = float("nan")
+    assert torch.equal(cpu_ops.argmax_rows(x), x.max(dim=-1).indices)
+    assert cpu_ops.argmax_rows(x).tolist() == [vocab - 1, 2, 0, vocab // 2 + 1]
+
+
+def test_the_argmax_operator_refuses_other_dtypes_and_empty_rows(cpu_ops: object) -> None:
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        cpu_ops.argmax_rows(torch.randn(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        cpu_ops.argmax_rows(torch.randn(2, 0))
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        cpu_ops.argmax_rows(torch.randn(2, 8).t())
 
 
 @pytest.mark.parametrize("k", [1, 7, 16, 344, 4864])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata, SamplingRequest
+from decodegraph.sample import sampler
 from decodegraph.sample.sampler import Sampler, apply_penalties
 from tests.utils.requests import make_request_state
 
@@ -29,6 +30,25 @@ def test_greedy_is_argmax_and_takes_the_fast_path() -> None:
     out = Sampler()(logits, md)
     assert out.sampled_token_ids == logits.argmax(-1).tolist()
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (256, 512), (3, 151936)])
+def test_greedy_takes_the_cpu_argmax_operator_for_large_logits(
+    cpu_ops: object, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int]
+) -> None:
+    """Many ties (the first maximum wins) and a NaN row: the same ids as torch's max(dim),
+    through the native operator wherever the logits are large enough for it."""
+    calls = []
+    real = cpu_ops.argmax_rows
+    monkeypatch.setattr(
+        sampler.native,
+        "cpu_ops_for",
+        lambda x: type("Ops", (), {"argmax_rows": lambda _, t: calls.append(1) or real(t)})(),
+    )
+    logits = torch.randint(0, 4, shape, generator=torch.Generator().manual_seed(0)).float()
+    logits[-1, shape[1] // 3] = float("nan")
+    assert sampler.greedy(logits).tolist() == logits.max(dim=-1).indices.tolist()
+    assert len(calls) == (logits.numel() >= sampler.NATIVE_ARGMAX_MIN_VALUES)
 
 
 def test_metadata_statics_are_reused_for_the_same_batch_within_one_cache() -> None:

@@ -14,9 +14,10 @@
 // ranges of about equal work, one workspace row each.
 //
 // rms_norm, fused_add_rms_norm, silu_and_mul: vLLM's names and semantics (out of place
-// here). rotary_embedding: the neox rotation with a row's cos and signed sin given (vLLM's
-// takes positions and the whole table, in place). Rows are independent: large inputs
-// split their rows over the intra-op threads like aten's pointwise ops.
+// here). rotary_embedding: the neox rotation with a row's cos and signed sin given
+// (vLLM's takes positions and the whole table, in place). argmax_rows: greedy sampling's
+// first maximum per row (csrc/argmax.h). Rows are independent: large inputs split their
+// rows over the intra-op threads like aten's pointwise ops.
 //
 // shm_all_reduce, shm_all_gather: the tensor-parallel collectives between the ranks of
 // one host, through a shared-memory segment (csrc/shm_all_reduce.h) named by an integer
@@ -60,6 +61,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "argmax.h"
 #include "cpu_allocator.h"
 #include "graph_entry.h"
 #include "linear.h"
@@ -284,6 +286,20 @@ at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at
     return out;
 }
 
+at::Tensor argmax_rows(const at::Tensor& x) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
+                    x.size(1) > 0,
+                "argmax_rows: float32 rows [n, vocab] with vocab > 0");
+    const int64_t n = x.size(1), xs = x.stride(0);
+    auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+    int64_t *o = out.data_ptr<int64_t>();
+    const float *xp = x.data_ptr<float>();
+    for_rows(x.size(0), n, [&](int64_t r, int64_t rows) {
+        argmax_rows_f32(o + r, xp + r * xs, rows, n, xs);
+    });
+    return out;
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
                     x.size(1) % 2 == 0,
@@ -480,6 +496,7 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
           "(Tensor, Tensor)");
     m.def("rotary_embedding(Tensor x, Tensor cos, Tensor sin) -> Tensor");
     m.def("silu_and_mul(Tensor x) -> Tensor");
+    m.def("argmax_rows(Tensor x) -> Tensor");
     m.def("linear_one_row(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor k_cache, "
@@ -513,6 +530,7 @@ TORCH_LIBRARY_IMPL(decodegraph_cpu, CPU, m) {
     m.impl("fused_add_rms_norm", &fused_add_rms_norm);
     m.impl("rotary_embedding", &rotary_embedding);
     m.impl("silu_and_mul", &silu_and_mul);
+    m.impl("argmax_rows", &argmax_rows);
     m.impl("linear_one_row", &linear_one_row);
     m.impl("linear_few_rows", &linear_few_rows);
     m.impl("shm_all_reduce", &decodegraph::shm_all_reduce);
