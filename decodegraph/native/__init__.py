@@ -445,7 +445,7 @@ def cpu_isa() -> str | None:
 
 def cpu_ops_for(x: torch.Tensor) -> object | None:
     """The CPU operators where they apply to `x` (float32 on CPU), else None."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    if not x.is_cpu or x.dtype != torch.float32:
         return None
     return load_cpu_ops()
 
