@@ -252,6 +252,14 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
     }
 }
 
+// Vector registers the compiler has for Vec values: 32 with AVX-512; 16 with AVX2 and on
+// NEON (where a Vec is two of its 32 registers); 16 taken for the portable loops.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kVecRegisters = 32;
+#else
+constexpr int64_t kVecRegisters = 16;
+#endif
+
 // Shapes attend_group_blocks takes: constant, whole vectors per block, and at most 16
 // accumulators (a group's G x D).
 template <int64_t D, int64_t G, int64_t BS>
@@ -412,9 +420,21 @@ inline void attend_f32(const float* q, const void* k_cache, const void* v_cache,
                        int64_t sc_stride, float* o, RowFetch* fetch) {
     if constexpr (kWholeBlocks<D, G, BS>) {
         if (start == 0 && softcap == 0.f) {
-            attend_group_blocks<D, G, BS>(q, static_cast<const float*>(k_cache),
-                                          static_cast<const float*>(v_cache), bt, len,
-                                          tile_stride, tile_off, scale, sc, sc_stride, o, fetch);
+            const float *kc = static_cast<const float*>(k_cache),
+                        *vc = static_cast<const float*>(v_cache);
+            if constexpr (G > 1 && G * D + 4 > kVecRegisters) {
+                // One head at a time, each its own D accumulators (the group's would not
+                // fit the registers: spilled, they cost more than loading K and V again
+                // from L1); the same sums per head. The first head's passes step the
+                // later row's fetch.
+                for (int64_t j = 0; j < G; j++)
+                    attend_group_blocks<D, 1, BS>(q + j * D, kc, vc, bt, len, tile_stride,
+                                                  tile_off, scale, sc + j * sc_stride,
+                                                  sc_stride, o + j * D, j == 0 ? fetch : nullptr);
+            } else {
+                attend_group_blocks<D, G, BS>(q, kc, vc, bt, len, tile_stride, tile_off, scale,
+                                              sc, sc_stride, o, fetch);
+            }
             return;
         }
     }
