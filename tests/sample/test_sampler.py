@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata, SamplingRequest
 from decodegraph.sample import sampler
+from decodegraph.sample.metadata import BatchStaticsCache, SamplingMetadata, SamplingRequest
 from decodegraph.sample.sampler import Sampler, apply_penalties
 from tests.utils.requests import make_request_state
 
