@@ -157,13 +157,8 @@ def start_inductor_compile(
         options["cpp_wrapper"] = False
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     spec = pytree.tree_flatten(output.args[0])[1]
-    # The C++ wrapper's intermediates allocated once (platforms/inductor_static.py), where
-    # the user's options leave the post-grad pass that versions them free.
-    static = (
-        bool(options.get("cpp_wrapper"))
-        and inductor_static.enabled()
-        and options.get("post_grad_custom_post_pass") is None
-    )
+    # The C++ wrapper's intermediates allocated once (platforms/inductor_static.py).
+    static = inductor_static.applies(options)
     key = cpu_graph_cache.graph_key(
         gm, node_meta, args, options, inductor_static.VERSION if static else ""
     )

@@ -72,9 +72,15 @@ extern "C" void {BORROWED_ENTRY}(AtenTensorHandle* input_handles, AtenTensorHand
 VERSION = "decodegraph-static-buffers-2"
 
 
-def enabled() -> bool:
-    """Static buffers unless DECODEGRAPH_CPU_STATIC_BUFFERS=0 (read at each compile)."""
-    return os.environ.get(ENV, "1") != "0"
+def applies(options: dict[str, object]) -> bool:
+    """Whether a CPU graph compiled under Inductor `options` gets static buffers: a C++
+    wrapper, DECODEGRAPH_CPU_STATIC_BUFFERS not 0 (read at each compile), and no
+    post-grad pass of the user's where the version pass goes."""
+    return (
+        bool(options.get("cpp_wrapper"))
+        and os.environ.get(ENV, "1") != "0"
+        and options.get("post_grad_custom_post_pass") is None
+    )
 
 
 @functools.cache
@@ -207,8 +213,7 @@ def _wrapper_class() -> type | None:
         def generate_before_suffix(self, result: Any) -> None:
             super().generate_before_suffix(result)
             body = self.wrapper_call.getvalue()
-            moved = [line for line in body.splitlines() if "std::move(arg" in line]
-            if V.graph.aot_mode or not self._borrowable or moved:
+            if V.graph.aot_mode or not self._borrowable or "std::move(arg" in body:
                 return
             result.splice(_BORROWED_ENTRY)
 

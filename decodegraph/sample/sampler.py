@@ -36,7 +36,7 @@ NATIVE_ARGMAX_MIN_VALUES = 1024
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Per row, the index of the first maximum (a NaN counts as the maximum, as in torch).
-    On CPU in float32, for more than a few thousand logits, the native operator
+    On CPU in float32, for NATIVE_ARGMAX_MIN_VALUES logits or more, the native operator
     (csrc/argmax.h: vectorised, where torch's CPU max(dim) reduces a row a value at a
     time); otherwise one row through `argmax` and many through `max(dim)`, the faster of
     the two for each (docs/performance.md)."""

@@ -5,8 +5,7 @@
 // CPU max(dim) reduces a row a value at a time; a sampler's rows are a few hundred to a
 // few hundred thousand logits.
 //
-// The library is built with -ffast-math, which lets a compiler assume that no value is
-// a NaN, so NaNs are told apart by their bits (exponent all ones, mantissa not zero).
+// The library is built with -ffast-math, so NaNs are told apart by their bits (vec.h).
 //
 // x: [rows, n], rows `x_row` apart; out: [rows] int64.
 #ifndef DECODEGRAPH_ARGMAX_H
@@ -14,17 +13,10 @@
 
 #include <array>
 #include <cstdint>
-#include <cstring>
 
 #include "vec.h"
 
 namespace decodegraph {
-
-inline bool is_nan_bits(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    return (u & 0x7fffffffu) > 0x7f800000u;
-}
 
 // Lanes of kWays running maxima (each vector of a row goes to one of kWays, in turn), so
 // that the compare-and-blend chains of successive vectors overlap.
@@ -44,13 +36,13 @@ inline int64_t argmax_row_f32(const float* x, int64_t n) {
             m[w] = first;
             idx[w] = lane;
         }
-        VecI bad = (at::vec::cast<int32_t>(first) & VecI(0x7fffffff)) > VecI(0x7f800000);
+        VecI bad = nan_bits(at::vec::cast<int32_t>(first));
         auto take = [&](int64_t w, int64_t i) DG_INLINE {
             const Vec v = Vec::loadu(x + i);
             const Vec gt = v > m[w];
             m[w] = Vec::blendv(m[w], v, gt);
             idx[w] = Vec::blendv(idx[w], lane + Vec(static_cast<float>(i)), gt);
-            bad = bad | ((at::vec::cast<int32_t>(v) & VecI(0x7fffffff)) > VecI(0x7f800000));
+            bad = bad | nan_bits(at::vec::cast<int32_t>(v));
         };
         int64_t i = kLanes;
         for (; i + kWays * kLanes <= whole; i += kWays * kLanes)
@@ -80,11 +72,11 @@ inline int64_t argmax_row_f32(const float* x, int64_t n) {
             best = x[i];
             at = i;
         }
-        nan = nan || is_nan_bits(x[i]);
+        nan = nan || is_nan(x[i]);
     }
     if (nan)
         for (int64_t i = 0; i < n; i++)
-            if (is_nan_bits(x[i]))
+            if (is_nan(x[i]))
                 return i;
     return at;
 }

@@ -68,8 +68,8 @@ inline at::Tensor alias_of(const at::Tensor& t) {
 
 // Called by a bound entry's callable (decodegraph_graph_entry_bind, below) with the GIL
 // held (the entry releases it while it runs): the graph's outputs as a list of tensors
-// (None where the graph returns no tensor), or NULL with a Python RuntimeError set. The output array has room for
-// kOutputSlack handles past num_outputs: an entry that writes there returned more than
+// (None where the graph returns no tensor), or NULL with a Python RuntimeError set. The
+// output array has room for kOutputSlack handles past num_outputs: an entry that writes there returned more than
 // its graph was bound with, which is refused rather than written past the array.
 constexpr size_t kOutputSlack = 16;
 

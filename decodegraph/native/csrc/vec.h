@@ -129,10 +129,21 @@ inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
+// Whether float32 bits are a NaN (exponent all ones, mantissa not zero), per value or per
+// lane: by bits, since -ffast-math lets a compiler assume no float is a NaN.
+inline bool nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+inline VecI nan_bits(const VecI& u) { return (u & VecI(0x7fffffff)) > VecI(0x7f800000); }
+
+inline bool is_nan(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    return nan_bits(u);
+}
+
 inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
+    if (nan_bits(u))
         return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
@@ -157,7 +168,7 @@ inline Vec load_bf16(const uint16_t* p, int64_t n) {
 inline Vec round_bf16(const Vec& x) {
     const VecI u = at::vec::cast<int32_t>(x);
     const VecI r = (u + VecI(0x7fff) + ((u >> VecI(16)) & VecI(1))) & VecI(-65536);
-    const VecI nan = (u & VecI(0x7fffffff)) > VecI(0x7f800000);
+    const VecI nan = nan_bits(u);
     return Vec::blendv(at::vec::cast<float>(r), x, at::vec::cast<float>(nan));
 }
 
