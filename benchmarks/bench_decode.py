@@ -7,7 +7,9 @@ machine hits every side of a ratio:
   over the median decode-step time per token for the engine, llama2.c's own "achieved tok/s" (from
   its second token), tokens over wall time for CTranslate2 and transformers;
 - batched: --num-requests requests x --batch-tokens tokens, tokens over wall time (not
-  llama2.c, which has no batching), after one untimed run per side.
+  llama2.c, which has no batching), after one untimed run per side. Every side returns
+  token ids, none decodes them into text (the engine with `detokenize=False`, as vLLM's
+  `--disable-detokenize`; CTranslate2 and transformers return ids).
 Per engine mode (and --num-scheduler-steps setting): medians over rounds, and the median
 over rounds of its tokens/s over each peer's in the same round; the engine's own work per
 token at batch 1 (median step time per token minus median forward); start-up seconds,
@@ -173,7 +175,7 @@ class EngineSide:
         return 1.0 / statistics.median(steps)
 
     def batched(self, prompts: list[list[int]], tokens: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - start

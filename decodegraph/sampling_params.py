@@ -85,6 +85,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Token id -> value added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # Whether outputs carry text (vLLM's name). False: token ids only; the text and
+    # every logprob's decoded_token stay empty, and no time goes to decoding them.
+    detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -145,6 +148,8 @@ class SamplingParams:
                 raise ValueError(f"stop: must be strings, got {s!r}")
             if not s:
                 raise ValueError("stop: stop strings must not be empty")
+        if self.stop and self.detokenize is False:
+            raise ValueError("stop: stop strings need detokenize=True (they are found in the text)")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids: must be non-negative integers, got {t!r}")
@@ -169,6 +174,7 @@ class SamplingParams:
             self._verify_logit_bias()
         for name in (
             "ignore_eos",
+            "detokenize",
             "skip_special_tokens",
             "spaces_between_special_tokens",
             "include_stop_str_in_output",

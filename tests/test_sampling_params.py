@@ -12,9 +12,16 @@ def test_defaults_follow_vllm() -> None:
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.max_tokens, p.min_tokens, p.logprobs, p.seed) == (16, 0, None, None)
     assert p.stop == [] and p.stop_token_ids == []
-    assert p.skip_special_tokens and p.spaces_between_special_tokens
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
     assert p.output_kind is RequestOutputKind.CUMULATIVE
     assert p.sampling_type is SamplingType.RANDOM
+
+
+def test_stop_strings_need_detokenize() -> None:
+    # vLLM's rule: a stop string is found in the text, which detokenize=False never makes.
+    with pytest.raises(ValueError, match="^stop: stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[3], detokenize=False).stop_token_ids == [3]
 
 
 def test_stop_string_is_normalised_to_a_list() -> None:
@@ -50,6 +57,7 @@ def test_stop_string_is_normalised_to_a_list() -> None:
         ("logprobs", 1.5),
         ("prompt_logprobs", -2),
         ("ignore_eos", "yes"),
+        ("detokenize", 0),
         ("output_kind", "delta"),
     ],
 )

@@ -32,6 +32,11 @@ def add_offline_args(parser: Any, name: str, plot_help: str) -> Any:
     g.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
     g.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     g.add_argument("--temperature", type=float, default=1.0, help="vLLM's default: 1.0")
+    g.add_argument(
+        "--disable-detokenize",
+        action="store_true",
+        help="token ids only, no text (vLLM's flag): time the engine without decoding",
+    )
     g.add_argument("--graph-modes", nargs="+", default=GRAPH_MODES, metavar="MODE")
     g.add_argument("--output-json", default=None, help="write the results to this JSON file")
     g.add_argument("--plot", default=None, metavar="FILE.png", help=plot_help)
@@ -63,7 +68,7 @@ def engines_per_mode(args: Any, max_batch: int) -> tuple[Any, dict[str, Any], in
 
 def offline_sampling_params(args: Any) -> Any:
     """`--output-len` tokens per request, EOS ignored, at `--temperature` (seeded when it
-    samples, so that a run can be repeated)."""
+    samples, so that a run can be repeated), as text unless `--disable-detokenize`."""
     from decodegraph.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -71,6 +76,7 @@ def offline_sampling_params(args: Any) -> Any:
         ignore_eos=True,
         max_tokens=args.output_len,
         seed=0 if args.temperature > 0 else None,
+        detokenize=not args.disable_detokenize,
     )
 
 

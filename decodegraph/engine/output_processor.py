@@ -91,16 +91,19 @@ class OutputProcessor:
         if not child_request_ids:
             raise ValueError("child_request_ids: at least one child is required")
         children = []
+        # Text (the output's and each logprob's) only where there is a tokenizer and the
+        # request wants it.
+        tokenizer = self.tokenizer if params.detokenize else None
         for index in range(len(child_request_ids)):
             detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            if tokenizer is not None:
+                detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
             logprobs: list[dict[int, Logprob]] | None = None
             cumulative: float | None = None
             texts = None
             if params.logprobs is not None:
                 logprobs, cumulative = [], 0.0
-                if self.tokenizer is not None:
+                if tokenizer is not None:
                     texts = TokenTexts(
                         self.tokenizer, prompt_token_ids[-8:], params.skip_special_tokens
                     )
@@ -237,7 +240,7 @@ class OutputProcessor:
         prompt_logprobs: list[dict[int, Logprob] | None],
         params: SamplingParams,
     ) -> list[dict[int, Logprob] | None]:
-        if self.tokenizer is None or len(prompt_token_ids) < 2:
+        if self.tokenizer is None or not params.detokenize or len(prompt_token_ids) < 2:
             return prompt_logprobs
         texts = TokenTexts(self.tokenizer, prompt_token_ids[:1], params.skip_special_tokens)
         for token_id, entry in zip(prompt_token_ids[1:], prompt_logprobs[1:], strict=True):

@@ -3,6 +3,7 @@ entry per graph mode, or per request rate) and a PNG that decodes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from decodegraph.benchmarks.common import add_offline_args, offline_sampling_params
 from decodegraph.entrypoints.cli import main
 from tests.utils.server import RunningServer, make_engine, start_server
 
@@ -58,7 +60,7 @@ def test_bench_throughput_counts_every_generated_token(tmp_path: Path) -> None:
     code = main(
         [*FAST, "bench", "throughput", *NO_INDUCTOR, "--num-prompts", "24", "--input-len", "8",
          "--output-len", "12", "--graph-modes", "NONE", "FULL_DECODE_ONLY",
-         "--output-json", str(out), "--plot", str(png)]
+         "--disable-detokenize", "--output-json", str(out), "--plot", str(png)]
     )  # fmt: skip
     assert code == 0
     result = json.loads(out.read_text())
@@ -67,6 +69,14 @@ def test_bench_throughput_counts_every_generated_token(tmp_path: Path) -> None:
         assert row["output_tokens_per_s"] == pytest.approx(24 * 12 / row["elapsed_time"])
         assert row["tokens_per_s"] == pytest.approx(24 * 20 / row["elapsed_time"])
     _png(png)
+
+
+def test_disable_detokenize_asks_for_ids_only() -> None:
+    parser = argparse.ArgumentParser()
+    add_offline_args(parser, "throughput", "")
+    assert offline_sampling_params(parser.parse_args([])).detokenize
+    params = offline_sampling_params(parser.parse_args(["--disable-detokenize"]))
+    assert params.detokenize is False and params.max_tokens == 128
 
 
 @pytest.fixture(scope="module")

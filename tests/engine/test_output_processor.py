@@ -201,6 +201,41 @@ def test_without_a_tokenizer_only_ids_flow(text_ids) -> None:
     )
 
 
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_detokenize_false_gives_ids_and_no_text(tokenizer, text_ids, kind) -> None:
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(detokenize=False, logprobs=0, prompt_logprobs=0, output_kind=kind)
+    prompt = [BOS, text_ids[0]]  # two tokens: the second's logprob would get a text
+    processor.add_request("p", "", prompt, params, ["p"], arrival_time=0.0)
+    prompt_lps: list = [None, {prompt[1]: Logprob(-1.0, 1)}]
+    outs = []
+    for i, t in enumerate(text_ids):
+        last = i == len(text_ids) - 1
+        out = EngineCoreOutput(
+            "p",
+            [t],
+            new_logprobs=[{t: Logprob(-1.0, 1)}],
+            finish_reason="length" if last else None,
+            prompt_logprobs=prompt_lps if i == 0 else None,
+        )
+        outs += step(processor, out).request_outputs
+    assert all(o.outputs[0].text == "" for o in outs)
+    final = outs[-1]
+    ids = (
+        final.outputs[0].token_ids
+        if kind is not RequestOutputKind.DELTA
+        else [t for o in outs for t in o.outputs[0].token_ids]
+    )
+    assert ids == text_ids
+    lps = [lp for o in outs for lp in (o.outputs[0].logprobs or [])]
+    if kind is RequestOutputKind.CUMULATIVE:
+        lps = final.outputs[0].logprobs or []
+    assert len(lps) == len(text_ids)
+    assert all(lp[t].decoded_token is None for lp, t in zip(lps, text_ids, strict=True))
+    assert outs[0].prompt_logprobs is not None
+    assert outs[0].prompt_logprobs[1][prompt[1]].decoded_token is None
+
+
 def test_metrics_record_token_and_finish_times(tokenizer, text_ids) -> None:
     processor = OutputProcessor(tokenizer)
     add(processor)

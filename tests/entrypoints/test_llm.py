@@ -43,6 +43,15 @@ def test_greedy_from_bos_reproduces_published_stories_text(llm: LLM) -> None:
     assert out[0].outputs[0].text.startswith(STORIES_GREEDY_TEXT)
 
 
+def test_detokenize_false_gives_the_same_ids_and_no_text(llm: LLM) -> None:
+    ids_only = SamplingParams(temperature=0.0, max_tokens=32, detokenize=False)
+    plain = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    bare = llm.generate(PROMPTS, ids_only, use_tqdm=False)
+    assert ids_of(bare) == ids_of(plain)
+    assert all(o.outputs[0].text == "" for o in bare)
+    assert all(o.outputs[0].text for o in plain)
+
+
 def test_request_output_carries_prompt_ids_finish_reason_and_timings(llm: LLM) -> None:
     out = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
     assert out.finished and out.prompt == PROMPTS[0]
