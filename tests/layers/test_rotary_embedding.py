@@ -143,7 +143,7 @@ def test_cache_is_in_the_default_dtype_at_construction() -> None:
 
 @pytest.mark.parametrize(
     "head_dim, heads",
-    [(HEAD_DIM, 6), (8, 12), (8, 3), (4, 5), (16, 3), (64, 2), (128, 3), (48, 2)],
+    [(HEAD_DIM, 6), (8, 12), (8, 3), (8, 1), (4, 5), (4, 2), (16, 3), (64, 2), (128, 3), (48, 2)],
     ids=str,
 )
 @pytest.mark.parametrize("adjacent_heads", [True, False])
@@ -153,7 +153,8 @@ def test_the_native_rotation_equals_the_tensor_formula_bit_for_bit(
     """On the strided rows a stacked qkv projection gives (q and k heads side by side),
     and on heads further apart (per-head norms' outputs are not always adjacent): head
     sizes whose heads pack a vector (4, 8, 16), whose halves fill vectors (64, 128), and
-    neither (48); head counts that leave a partial vector."""
+    neither (48); head counts that leave a partial vector; and one token alone, whose
+    first vector is its last."""
     rope = get_rope(head_dim, 512, get_rope_parameters(config_for(ROPES["llama3"])))
     stride = head_dim if adjacent_heads else 2 * head_dim
     qkv = torch.randn(6, (heads + 1) * stride) * 5
@@ -161,6 +162,7 @@ def test_the_native_rotation_equals_the_tensor_formula_bit_for_bit(
     cos, sin = rope.get_cos_sin(torch.tensor([0, 3, 9, 100, 256, 511]))
     want = x * cos + torch.roll(x, head_dim // 2, -1) * sin
     assert torch.equal(cpu_ops.rotary_embedding(x, cos, sin), want)
+    assert torch.equal(cpu_ops.rotary_embedding(x[2:3], cos[2:3], sin[2:3]), want[2:3])
 
 
 def test_rotation_runs_the_native_operator_eagerly_and_aten_ops_in_a_graph(
