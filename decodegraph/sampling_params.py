@@ -148,8 +148,6 @@ class SamplingParams:
                 raise ValueError(f"stop: must be strings, got {s!r}")
             if not s:
                 raise ValueError("stop: stop strings must not be empty")
-        if self.stop and self.detokenize is False:
-            raise ValueError("stop: stop strings need detokenize=True (they are found in the text)")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids: must be non-negative integers, got {t!r}")
@@ -181,6 +179,8 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a boolean, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop: stop strings need detokenize=True (they are found in the text)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind: must be a RequestOutputKind, got {self.output_kind!r}")
         if self.structured_outputs is not None and not isinstance(

@@ -104,9 +104,7 @@ class OutputProcessor:
             if params.logprobs is not None:
                 logprobs, cumulative = [], 0.0
                 if tokenizer is not None:
-                    texts = TokenTexts(
-                        self.tokenizer, prompt_token_ids[-8:], params.skip_special_tokens
-                    )
+                    texts = TokenTexts(tokenizer, prompt_token_ids[-8:], params.skip_special_tokens)
             children.append(
                 _ChildState(
                     index,
