@@ -55,6 +55,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -183,11 +184,13 @@ void paged_attention_out(const at::Tensor& query, const at::Tensor& key,
     });
 }
 
-// A new CPU tensor of x's dtype: c10's CPU allocator directly, without the dispatcher
-// call of at::empty or Tensor::new_empty (these operators run once per layer in a
-// batch-1 graph).
-at::Tensor empty_of(const at::Tensor& x, at::IntArrayRef sizes) {
-    return at::detail::empty_cpu(sizes, x.scalar_type(), /*pin_memory=*/false, std::nullopt);
+// A new CPU tensor of x's dtype (or `dtype`): c10's CPU allocator directly, without the
+// dispatcher call of at::empty or Tensor::new_empty (these operators run once per layer
+// in a batch-1 graph).
+at::Tensor empty_of(const at::Tensor& x, at::IntArrayRef sizes,
+                    std::optional<at::ScalarType> dtype = std::nullopt) {
+    return at::detail::empty_cpu(sizes, dtype.value_or(x.scalar_type()), /*pin_memory=*/false,
+                                 std::nullopt);
 }
 
 at::Tensor paged_attention_windowed_capped(
@@ -291,7 +294,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
                     x.size(1) > 0,
                 "argmax_rows: float32 rows [n, vocab] with vocab > 0");
     const int64_t n = x.size(1), xs = x.stride(0);
-    auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+    auto out = empty_of(x, {x.size(0)}, at::kLong);
     int64_t *o = out.data_ptr<int64_t>();
     const float *xp = x.data_ptr<float>();
     for_rows(x.size(0), n, [&](int64_t r, int64_t rows) {

@@ -54,16 +54,18 @@ void rotary_small_heads(float* out, const float* x, const float* cos, const floa
                         int64_t rows, int64_t heads, int64_t d_, int64_t x_row, int64_t x_head,
                         int64_t cs_row) {
     const int64_t d = D ? D : d_, half = d / 2, m = kLanes / d, whole = heads / m * m;
-    __at_align__ float lane_c[kLanes], lane_s[kLanes];
+    __at_align__ float first_half[kLanes], lane_c[kLanes], lane_s[kLanes];
     for (int64_t i = 0; i < kLanes; i++)
-        lane_c[i] = i % d < half ? 1.f : 0.f;
-    const Vec low = Vec::loadu(lane_c) == Vec(1.f);  // lanes in the first half of a head
+        first_half[i] = i % d < half ? 1.f : 0.f;
+    const Vec low = Vec::loadu(first_half) == Vec(1.f);  // lanes in the first half of a head
     for (int64_t t = 0; t < rows; t++) {
         const float *c = cos + t * cs_row, *s = sin + t * cs_row, *xt = x + t * x_row;
         float* ot = out + t * heads * d;
-        for (int64_t i = 0; m > 1 && i < kLanes; i++) {  // the row's values once a head
-            lane_c[i] = c[i % d];
-            lane_s[i] = s[i % d];
+        if (m > 1) {  // the row's values once a head
+            for (int64_t i = 0; i < kLanes; i++) {
+                lane_c[i] = c[i % d];
+                lane_s[i] = s[i % d];
+            }
         }
         const Vec cv = Vec::loadu(m > 1 ? lane_c : c), sv = Vec::loadu(m > 1 ? lane_s : s);
         for (int64_t h = 0; h < whole; h += m) {
