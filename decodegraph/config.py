@@ -243,6 +243,10 @@ class CompilationConfig:
     # With num_scheduler_steps > 1: capture, beside each full decode graph, one that runs
     # all the steps of a greedy batch (docs/design.md §3, "multi-step graphs").
     multi_step_graphs: bool = False
+    # Uniform decode batches above the largest capture size: one graph, compiled for any
+    # row count, instead of the eager model (docs/design.md §3, "dynamic decode graph").
+    # None: wherever the platform makes such graphs (CPU).
+    dynamic_decode_graph: bool | None = None
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:
@@ -265,6 +269,10 @@ class CompilationConfig:
             raise ValueError("compilation_config.cudagraph_num_of_warmups: must be >= 0")
         if not isinstance(self.multi_step_graphs, bool):
             raise ValueError("compilation_config.multi_step_graphs: must be true or false")
+        if self.dynamic_decode_graph is not None and not isinstance(
+            self.dynamic_decode_graph, bool
+        ):
+            raise ValueError("compilation_config.dynamic_decode_graph: must be true, false or null")
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | str | None) -> CompilationConfig:

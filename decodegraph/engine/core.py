@@ -124,8 +124,14 @@ class EngineCore:
         self.graph_mode: CUDAGraphMode = graph_info.mode
         self.num_blocks_per_group = num_blocks
         # The one dispatcher of the engine: each step's plan, sent to every rank.
+        # The dynamic decode graph where every rank made one (a rank whose trace failed
+        # runs those batches eagerly; every rank traces the same model, so all or none).
+        graph_info.dynamic_decode = all(s.dynamic_decode_rows is not None for s in stats)
         self.dispatcher = CudagraphDispatcher(
-            graph_info.mode, graph_info.capture_sizes, graph_info.max_num_reqs
+            graph_info.mode,
+            graph_info.capture_sizes,
+            graph_info.max_num_reqs,
+            graph_info.dynamic_decode,
         )
         # (step kind, runtime mode) -> steps; step kind is "decode" or "mixed".
         self.mode_counts: Counter[tuple[str, str]] = Counter()
@@ -211,11 +217,17 @@ class EngineCore:
     def _graph_info(infos: list[GraphInfo]) -> GraphInfo:
         """Rank 0's resolved mode and sizes; every rank must have resolved the same."""
         for rank, info in enumerate(infos[1:], start=1):
-            if (info.mode, info.capture_sizes) != (infos[0].mode, infos[0].capture_sizes):
+            first = infos[0]
+            if (info.mode, info.capture_sizes, info.dynamic_decode) != (
+                first.mode,
+                first.capture_sizes,
+                first.dynamic_decode,
+            ):
                 raise RuntimeError(
                     f"rank {rank} resolved graph mode {info.mode.name} with capture sizes "
-                    f"{info.capture_sizes}, rank 0 {infos[0].mode.name} with "
-                    f"{infos[0].capture_sizes}: every rank must replay the same graphs"
+                    f"{info.capture_sizes} (dynamic decode graph: {info.dynamic_decode}), "
+                    f"rank 0 {first.mode.name} with {first.capture_sizes} (dynamic decode "
+                    f"graph: {first.dynamic_decode}): every rank must replay the same graphs"
                 )
         return infos[0]
 

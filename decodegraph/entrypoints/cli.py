@@ -120,6 +120,12 @@ def _graphs(args: argparse.Namespace) -> int:
         ("why", "; ".join(report["resolution"]) or "as requested"),
         ("capture sizes", ", ".join(map(str, report["capture_sizes"])) or "-"),
         (
+            "dynamic decode",
+            "{} to {} requests".format(*report["dynamic_decode_rows"])
+            if report["dynamic_decode_rows"]
+            else "-",
+        ),
+        (
             "graphs",
             f"{report['num_graphs']}"
             + "".join(f", {mode}: {n}" for mode, n in report["graphs_by_mode"].items()),
@@ -181,6 +187,8 @@ def graphs_report(engine: object) -> dict:
         "resolved_mode": info.mode.name,
         "resolution": info.reasons,
         "capture_sizes": engine.engine_core.dispatcher.capture_sizes,
+        # Uniform decode batches of these many requests run the dynamic decode graph.
+        "dynamic_decode_rows": engine.engine_core.dispatcher.dynamic_decode_rows,
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
         "keys": keys,

@@ -29,11 +29,18 @@ class CudagraphDispatcher:
     Full decode keys exist for every capture size when the resolved mode runs FULL
     for uniform decode; mixed keys (full or piecewise) exist for every capture size
     when it runs a graph for mixed batches. A batch larger than the largest capture
-    size, or of a shape no key covers, runs eagerly (RuntimeMode.NONE, key unpadded).
+    size, or of a shape no key covers, runs eagerly (RuntimeMode.NONE, key unpadded);
+    with `dynamic_decode`, a uniform decode batch above the largest decode size (up to
+    max_num_reqs) runs FULL under its own unpadded key instead, which the graph runner's
+    one dynamic decode graph serves (`dynamic_decode_rows`).
     """
 
     def __init__(
-        self, mode: CUDAGraphMode, capture_sizes: list[int], max_num_reqs: int | None = None
+        self,
+        mode: CUDAGraphMode,
+        capture_sizes: list[int],
+        max_num_reqs: int | None = None,
+        dynamic_decode: bool = False,
     ) -> None:
         self.mode = mode
         self.capture_sizes = sorted(capture_sizes) if mode is not CUDAGraphMode.NONE else []
@@ -52,6 +59,14 @@ class CudagraphDispatcher:
         if self._uniform_full:
             for size in self.decode_sizes:
                 self.keys[RuntimeMode.FULL].append(BatchDescriptor(size, size, True))
+        # (fewest, most) rows of the uniform decode batches the dynamic graph runs: from
+        # the largest decode size on (at least 2: a graph of symbolic rows assumes two or
+        # more) to max_num_reqs; None where there is none.
+        self.dynamic_decode_rows: tuple[int, int] | None = None
+        if dynamic_decode and self._uniform_full and max_num_reqs is not None:
+            fewest = max(self.decode_sizes[-1] + 1 if self.decode_sizes else 1, 2)
+            if fewest <= max_num_reqs:
+                self.dynamic_decode_rows = (fewest, max_num_reqs)
         if mode.mixed_mode() is not RuntimeMode.NONE:
             for size in self.capture_sizes:
                 self.keys[mode.mixed_mode()].append(BatchDescriptor(size, None, False))
@@ -76,11 +91,19 @@ class CudagraphDispatcher:
             padded = self._pad(self.decode_sizes, desc.num_tokens)
             if padded is not None:
                 return StepPlan(RuntimeMode.FULL, BatchDescriptor(padded, padded, True))
+            if self.covers_dynamic(desc.num_tokens):
+                n = desc.num_tokens
+                return StepPlan(RuntimeMode.FULL, BatchDescriptor(n, n, True))
         mixed = self.mode.mixed_mode()
         padded = self.padded_size(desc.num_tokens)
         if mixed is RuntimeMode.NONE or padded is None:
             return StepPlan(RuntimeMode.NONE, desc)
         return StepPlan(mixed, BatchDescriptor(padded, None, False))
+
+    def covers_dynamic(self, num_reqs: int) -> bool:
+        """Whether a uniform decode batch of `num_reqs` runs the dynamic decode graph."""
+        rows = self.dynamic_decode_rows
+        return rows is not None and rows[0] <= num_reqs <= rows[1]
 
     def all_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
         """Every (mode, key) to capture, largest first (later graphs reuse the pool)."""

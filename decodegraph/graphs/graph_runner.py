@@ -65,6 +65,8 @@ class CaptureStats:
     seconds: float = 0.0
     memory_bytes: int = 0
     by_mode: dict[str, int] = field(default_factory=dict)
+    # (fewest, most) rows of the dynamic decode graph, where one was made.
+    dynamic_decode_rows: tuple[int, int] | None = None
 
 
 class GraphRunner:
@@ -113,6 +115,8 @@ class GraphRunner:
         self._capture_contexts: dict[GraphKey, ForwardContext] = {}
         # Steps a multi-step decode graph runs (1: none are captured; docs/design.md §3).
         self.graph_num_steps = 1
+        # The dynamic decode graph's key (its most rows), where there is one.
+        self.dynamic_key: BatchDescriptor | None = None
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -129,9 +133,39 @@ class GraphRunner:
             self.platform.supports_graphs,
         )
         self.capture_sizes = self._capture_sizes()
-        self.dispatcher = CudagraphDispatcher(self.mode, self.capture_sizes, self.max_num_reqs)
+        self.dispatcher = CudagraphDispatcher(
+            self.mode, self.capture_sizes, self.max_num_reqs, self._dynamic_decode()
+        )
+        rows = self.dispatcher.dynamic_decode_rows
+        self.dynamic_key = None if rows is None else BatchDescriptor(rows[1], rows[1], True)
         self.graph_num_steps = self._graph_num_steps()
         return self.mode
+
+    def _dynamic_decode(self) -> bool:
+        """Whether uniform decode batches above the largest capture size may run one
+        graph of dynamic rows: asked for or left to the platform (None), and made by it.
+        Asked for where it cannot be, why not is logged once."""
+        wanted = self.compilation_config.dynamic_decode_graph
+        if wanted is False:
+            return False
+        if not self.platform.supports_dynamic_graphs:
+            if wanted:
+                logger.warning(
+                    "compilation_config.dynamic_decode_graph: platform %s fixes every "
+                    "graph's shapes at capture; batches above the largest capture size "
+                    "run eagerly",
+                    self.platform.name,
+                )
+            return False
+        fixed = [name for name, backend in self._groups if not backend.supports_dynamic_rows()]
+        if fixed:
+            logger.info(
+                "no dynamic decode graph: attention group(s) %s bake the batch's shape into "
+                "a graph",
+                ", ".join(fixed),
+            )
+            return False
+        return True
 
     def _graph_num_steps(self) -> int:
         """How many decode steps one graph runs: the scheduler's steps where a full decode
@@ -186,6 +220,8 @@ class GraphRunner:
             steps = self.graph_num_steps
             sizes = sorted(self.dispatcher.decode_sizes, reverse=True)
             keys += [(RuntimeMode.FULL, BatchDescriptor(s, s, True, steps)) for s in sizes]
+        if self.dynamic_key is not None:  # the largest: first
+            keys.insert(0, (RuntimeMode.FULL, self.dynamic_key))
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
         # A collection during capture makes it slow (vLLM #21146): collect now, then
@@ -202,6 +238,7 @@ class GraphRunner:
                 with set_forward_context(self._capture_contexts.pop(graph_key)):
                     graph.finish()
         self.closed = True
+        self.stats.dynamic_decode_rows = self.dispatcher.dynamic_decode_rows
         self.stats.seconds = time.perf_counter() - start
         self.stats.memory_bytes = max(0, self.platform.memory_allocated() - memory_before)
         if keys:
@@ -245,15 +282,20 @@ class GraphRunner:
                 fn = self._forward_fn(model, logits=key.uniform)
             context = dataclasses.replace(base, params_id=params_id)
             with set_forward_context(context):
-                # A step reads a full graph's outputs before the next replay: the pool
-                # may reuse their memory (largest first, so one size's logits at most).
-                graph = self.platform.make_graph(
-                    name,
-                    fn,
-                    self.graph_inputs(mode, key),
-                    self.compilation_config,
-                    weak_outputs=True,
-                )
+                if key == self.dynamic_key:
+                    graph = self._make_dynamic_graph(fn)
+                    if graph is None:
+                        return
+                else:
+                    # A step reads a full graph's outputs before the next replay: the pool
+                    # may reuse their memory (largest first, so one size's logits at most).
+                    graph = self.platform.make_graph(
+                        name,
+                        fn,
+                        self.graph_inputs(mode, key),
+                        self.compilation_config,
+                        weak_outputs=True,
+                    )
             count = 1
         else:
             for group, backend in self._groups:
@@ -274,6 +316,35 @@ class GraphRunner:
         self._replays[key] = _Replay(graph, params_id)
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
+
+    def _make_dynamic_graph(self, fn: Callable[..., Any]) -> DeviceGraph | None:
+        """The dynamic decode graph, captured over the most rows (its params' metadata
+        span them all; each step's host values say how many are live). None where the
+        model's trace depends on where in the range the rows lie (logged once): those
+        batches then run eagerly, and the dispatcher no longer sends them here."""
+        assert self.dynamic_key is not None and self.dispatcher.dynamic_decode_rows
+        fewest, most = self.dispatcher.dynamic_decode_rows
+        try:
+            return self.platform.make_dynamic_graph(
+                f"FULL(rows {fewest}-{most})",
+                fn,
+                self.graph_inputs(RuntimeMode.FULL, self.dynamic_key)[:2],
+                fewest,
+                self.compilation_config,
+            )
+        except Exception as e:  # noqa: BLE001 - any failed trace: run those batches eagerly
+            logger.warning(
+                "no dynamic decode graph for %d-%d requests (%s: %s); uniform decode batches "
+                "above the largest capture size run eagerly. "
+                "compilation_config.dynamic_decode_graph=false skips the attempt.",
+                fewest,
+                most,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            self.dispatcher.dynamic_decode_rows = None
+            self.dynamic_key = None
+            return None
 
     @staticmethod
     def _forward_fn(model: torch.nn.Module, logits: bool) -> Callable[..., Any]:
@@ -344,9 +415,14 @@ class GraphRunner:
         with this step's attention metadata per group. Returns the graph's outputs:
         (logits, greedy ids) for a uniform full graph, the ids of every step [steps,
         rows] for a multi-step graph (`key.num_steps` > 1), hidden states otherwise."""
+        rows = 0  # the dynamic decode graph's live rows; 0 for a graph of fixed rows
+        if key.uniform and key.num_steps == 1 and self.dispatcher.covers_dynamic(key.num_tokens):
+            assert self.dynamic_key is not None
+            rows, key = key.num_tokens, self.dynamic_key
         replay = self._replays[key]
         if not replay.checked:
-            replay.graph.check_inputs(self.graph_inputs(mode, key))
+            inputs = self.graph_inputs(mode, key)
+            replay.graph.check_inputs(inputs[:2] if rows else inputs)
             replay.checked = True
         if replay.params_id is not None:
             for group, backend in self._groups:
@@ -354,7 +430,7 @@ class GraphRunner:
         else:
             for group, backend in self._groups:
                 backend.set_eager_metadata(metadata[group])
-        return replay.graph.replay()
+        return replay.graph.replay_rows(rows) if rows else replay.graph.replay()
 
 
 class _Replay:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from decodegraph.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
@@ -154,9 +155,12 @@ class ReplicatedLinear(nn.Module):
         if weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, bias)
         rows = x.shape[0]
-        if self.one_row is not None and rows == 1:
+        # Under a trace of symbolic rows (the dynamic decode graph): the one-row and
+        # few-rows calls only where every row count the trace covers takes them.
+        if self.one_row is not None and statically_known_true(rows == 1):
             return self.one_row(x, self.weight, bias)
-        if self.few_rows is not None and 1 < rows <= FEW_ROWS_MAX:
+        few = statically_known_true(rows > 1) and statically_known_true(rows <= FEW_ROWS_MAX)
+        if self.few_rows is not None and few:
             return self.few_rows(x, self.weight, bias)
         if bias is None:
             return torch.mm(x, weight_t)

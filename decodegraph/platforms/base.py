@@ -42,6 +42,55 @@ def trace(
         return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
 
 
+def trace_rows(
+    fn: GraphFn,
+    inputs: Sequence[torch.Tensor],
+    fewest_rows: int,
+    decompositions: dict | None = None,
+) -> torch.fx.GraphModule:
+    """`trace` with the rows of `inputs` (each one's first dimension, all equal) one
+    symbol, valid from `fewest_rows` (at least 2) to the rows the inputs have: one graph
+    for every row count in that range. Code whose result depends on where in the range
+    the rows lie (a branch on the row count, a size baked from elsewhere) fails the
+    trace (torch's ConstraintViolationError) instead of narrowing the graph silently.
+
+    The trace runs on fake copies of `inputs`, so every other tensor `fn` reads (weights,
+    KV caches, attention metadata) becomes a constant of the graph, at its size now."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fakes = [
+        fake_mode.from_tensor(t, symbolic_context=rows_symbolic(t, fewest_rows)) for t in inputs
+    ]
+    with torch.no_grad(), tracing(TracingContext(fake_mode)):
+        return make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="symbolic")(
+            *fakes
+        )
+
+
+def rows_symbolic(t: torch.Tensor, fewest_rows: int) -> object:
+    """A fake tensor's symbolic context: its first dimension dynamic, from `fewest_rows`
+    to its size now; the others static."""
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        StatelessSymbolicContext,
+        StrictMinMaxConstraint,
+    )
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    rest = t.dim() - 1
+    return StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * rest,
+        constraint_sizes=[
+            StrictMinMaxConstraint(vr=ValueRanges(fewest_rows, t.shape[0]), warn_only=False)
+        ]
+        + [None] * rest,
+    )
+
+
 class InputAddressError(RuntimeError):
     """A graph's inputs are not the tensors it was captured over."""
 
@@ -93,6 +142,11 @@ class DeviceGraph:
         self.num_replays += 1
         return self._run()
 
+    def replay_rows(self, num_rows: int) -> Any:
+        """Replay over the first `num_rows` rows of the bound inputs: only a graph from
+        `Platform.make_dynamic_graph` takes a row count."""
+        raise TypeError(f"graph {self.name} was captured for a fixed number of rows")
+
     def _run(self) -> Any:
         raise NotImplementedError
 
@@ -105,6 +159,8 @@ class Platform:
     dist_backend: ClassVar[str] = "gloo"
     # Whether make_graph captures graphs here.
     supports_graphs: ClassVar[bool] = False
+    # Whether make_dynamic_graph makes one graph for every row count here.
+    supports_dynamic_graphs: ClassVar[bool] = False
     # The attention backend's name (attention/selector.py); DECODEGRAPH_ATTENTION_BACKEND
     # overrides it.
     default_attention_backend: ClassVar[str | None] = None
@@ -170,6 +226,22 @@ class Platform:
         The graph may still be building when this returns: its `finish()` waits (the
         graph runner calls it on every graph once all are made)."""
         raise NotImplementedError(f"platform {self.name} cannot capture graphs")
+
+    def make_dynamic_graph(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        fewest_rows: int,
+        config: CompilationConfig,
+    ) -> DeviceGraph:
+        """One graph of `fn` for every row count from `fewest_rows` (at least 2) to the
+        rows of `inputs` (each input's first dimension), replayed by `replay_rows(n)`
+        over the first n rows of each (trace_rows).
+        Every other tensor `fn` reads stays the same tensor at every replay (so its
+        values, not its size, follow the step). Only where `supports_dynamic_graphs`:
+        a device graph fixes every shape at capture."""
+        raise NotImplementedError(f"platform {self.name} has no graphs of dynamic rows")
 
     def make_piece(
         self,

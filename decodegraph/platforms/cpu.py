@@ -15,7 +15,12 @@ import torch
 
 from decodegraph import native
 from decodegraph.platforms.base import DeviceGraph, GraphFn, Platform
-from decodegraph.platforms.cpu_graph import CpuGraph, compile_with_inductor, start_vector_isa_probe
+from decodegraph.platforms.cpu_graph import (
+    CpuGraph,
+    DynamicRowsCpuGraph,
+    compile_with_inductor,
+    start_vector_isa_probe,
+)
 
 if TYPE_CHECKING:
     from decodegraph.config import CompilationConfig
@@ -56,6 +61,7 @@ class CpuPlatform(Platform):
     device_type: ClassVar[str] = "cpu"
     dist_backend: ClassVar[str] = "gloo"
     supports_graphs: ClassVar[bool] = True
+    supports_dynamic_graphs: ClassVar[bool] = True
     default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
     # in a process with a cold cache), so few sizes keep a cold start short. No 2: a
@@ -153,6 +159,24 @@ class CpuPlatform(Platform):
             self.inductor_options(config),
             self.graph_decompositions(),
             defer=True,
+        )
+
+    def make_dynamic_graph(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        fewest_rows: int,
+        config: CompilationConfig,
+    ) -> DeviceGraph:
+        return DynamicRowsCpuGraph(
+            name,
+            fn,
+            inputs,
+            fewest_rows,
+            config.use_inductor,
+            self.inductor_options(config),
+            self.graph_decompositions(),
         )
 
     def make_piece(

@@ -18,7 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from decodegraph.platforms import cpu_graph_cache, inductor_static
-from decodegraph.platforms.base import DeviceGraph, GraphFn, trace
+from decodegraph.platforms.base import DeviceGraph, GraphFn, rows_symbolic, trace, trace_rows
 from decodegraph.platforms.inductor_cpp import bind_entry, cpp_builds_in_background, entry_call
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def start_inductor_compile(
     inputs: Sequence[torch.Tensor],
     options: dict[str, object] | None = None,
     bind_next: bool = False,
+    fewest_rows: int = 0,
 ) -> Callable[[], Callable[..., object]]:
     """Compile a traced graph with Inductor (no dynamo front end involved) into a
     callable of the same inputs, returning what the graph returns. Returns a function
@@ -140,6 +141,10 @@ def start_inductor_compile(
     waiting function gives it. With `bind_next` (a caller that binds it to `inputs` at
     once, CpuGraph) it keeps that run's outputs for the bind's check; otherwise it holds
     no tensor of the run.
+
+    With `fewest_rows` (a graph from trace_rows) the rows of `inputs` stay symbolic, from
+    that many to theirs: the module runs over any row count in that range, its
+    intermediates allocated per call.
     """
     _wait_for_isa_probe()
     node_meta = cpu_graph_cache.node_metadata(gm)
@@ -158,9 +163,13 @@ def start_inductor_compile(
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     spec = pytree.tree_flatten(output.args[0])[1]
     # The C++ wrapper's intermediates allocated once (platforms/inductor_static.py).
-    static = inductor_static.applies(options)
+    static = inductor_static.applies(options) and not fewest_rows
     key = cpu_graph_cache.graph_key(
-        gm, node_meta, args, options, inductor_static.VERSION if static else ""
+        gm,
+        node_meta,
+        args,
+        options,
+        f"rows from {fewest_rows}" if fewest_rows else inductor_static.VERSION if static else "",
     )
     tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
     loaded = _load_indexed(key, args, spec, options)
@@ -185,10 +194,19 @@ def start_inductor_compile(
             inner.append(compiled)
         return compiled
 
-    fake_mode = FakeTensorMode(static_shapes=True, shape_env=ShapeEnv())
-    # Static shapes: inputs that are already fake in the context's mode are taken as they
-    # are, where real ones would get a symbol for every dimension.
-    fake_args = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
+    if fewest_rows:
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+        fake_args = [
+            fake_mode.from_tensor(a, symbolic_context=rows_symbolic(a, fewest_rows))
+            if i < len(inputs)
+            else fake_mode.from_tensor(a, static_shapes=True)
+            for i, a in enumerate(args)
+        ]
+    else:
+        fake_mode = FakeTensorMode(static_shapes=True, shape_env=ShapeEnv())
+        # Static shapes: inputs that are already fake in the context's mode are taken as
+        # they are, where real ones would get a symbol for every dimension.
+        fake_args = [fake_mode.from_tensor(a, static_shapes=True) for a in args]
     # Not AOTAutograd's cache: a hit there skips inner_compile, and with it the direct
     # call of Inductor's function; the FX graph cache below it still spares the lowering.
     with (
@@ -451,4 +469,54 @@ class CpuGraph(DeviceGraph):
 
     def _run(self) -> Any:
         out = self._bound()
+        return out[0] if self._single_output and isinstance(out, (list, tuple)) else out
+
+
+class DynamicRowsCpuGraph(DeviceGraph):
+    """One traced op graph for every row count (Platform.make_dynamic_graph): traced with
+    the rows of its inputs symbolic, compiled once, and replayed over the first n rows of
+    the bound inputs. Other tensors the graph reads (weights, KV caches, the attention
+    params' metadata) are the same tensors at every replay. It is not bound like a
+    CpuGraph: each replay passes its views of the inputs, and the module allocates its
+    intermediates for that row count."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: GraphFn,
+        inputs: Sequence[torch.Tensor],
+        fewest_rows: int,
+        use_inductor: bool,
+        inductor_options: dict[str, object] | None = None,
+        decompositions: dict | None = None,
+    ) -> None:
+        super().__init__(name, inputs)
+        self.rows = (fewest_rows, min(t.shape[0] for t in inputs))
+        self.graph_module = trace_rows(fn, inputs, fewest_rows, decompositions)
+        output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
+        self._single_output = not isinstance(output.args[0], (tuple, list))
+        self._pending: Callable[[], Callable[..., object]] | None = None
+        self._call: Callable[..., object] = self.graph_module
+        if use_inductor:
+            # Its C++ builds while the caller makes the next graph (finish waits).
+            self._pending = start_inductor_compile(
+                self.graph_module, inputs, inductor_options, fewest_rows=fewest_rows
+            )
+        else:
+            self._run()  # one run now, so a failure shows at start-up
+
+    def finish(self) -> None:
+        if self._pending is not None:
+            self._call = self._pending()
+            self._pending = None
+
+    def _run(self) -> Any:
+        return self.replay_rows(self.rows[1])
+
+    def replay_rows(self, num_rows: int) -> Any:
+        if not self.rows[0] <= num_rows <= self.rows[1]:
+            raise ValueError(f"graph {self.name}: {num_rows} rows, not in {list(self.rows)}")
+        self.finish()
+        self.num_replays += 1
+        out = self._call(*(t[:num_rows] for t in self.inputs))
         return out[0] if self._single_output and isinstance(out, (list, tuple)) else out

@@ -57,6 +57,8 @@ class GraphInfo:
     mode: CUDAGraphMode
     capture_sizes: list[int]
     max_num_reqs: int
+    # Whether uniform decode batches above the capture sizes run the dynamic decode graph.
+    dynamic_decode: bool
     reasons: list[str]  # why the mode differs from the requested one, a line each
     attention_backend: str  # the first attention group's backend, and its graph support
     attention_cudagraph_support: str
@@ -171,6 +173,7 @@ class Worker:
             mode,
             list(gr.capture_sizes),
             gr.max_num_reqs,
+            gr.dynamic_key is not None,
             list(gr.mode_reasons),
             backend.name,
             backend.cudagraph_support.name,

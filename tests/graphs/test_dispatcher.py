@@ -185,3 +185,44 @@ def test_decode_keys_stop_at_max_num_reqs_and_mixed_keys_do_not(mode: CUDAGraphM
     mixed_mode, key = d.dispatch(_mixed(12, 3))
     assert mixed_mode is mode.mixed_mode()
     assert key.num_tokens == (12 if mixed_mode is R.NONE else 16)
+
+
+# ---------------------------------------------------------------- dynamic decode graph
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=_ids)
+def test_dynamic_decode_covers_uniform_batches_above_the_sizes_up_to_max_num_reqs(
+    mode: CUDAGraphMode,
+) -> None:
+    """Only modes whose uniform decode has graphs of its own get the dynamic range: from
+    the largest decode size + 1 to max_num_reqs, unpadded; mixed batches are unchanged."""
+    d = CudagraphDispatcher(mode, SIZES, max_num_reqs=40, dynamic_decode=True)
+    own_decode_graphs = mode.decode_mode() is R.FULL and mode is not M.FULL
+    assert d.dynamic_decode_rows == ((17, 40) if own_decode_graphs else None)
+    for n in (17, 25, 40):
+        if own_decode_graphs:
+            assert d.dispatch(_decode(n)) == (R.FULL, _decode(n))
+        else:
+            assert d.dispatch(_decode(n)) == CudagraphDispatcher(mode, SIZES, 40).dispatch(
+                _decode(n)
+            )
+    # Fixed sizes still pad; mixed batches never take the dynamic graph.
+    if own_decode_graphs:
+        assert d.dispatch(_decode(5)) == (R.FULL, _decode(8))
+    assert d.dispatch(_mixed(20, 3)) == CudagraphDispatcher(mode, SIZES, 40).dispatch(_mixed(20, 3))
+    assert not d.covers_dynamic(16) and not d.covers_dynamic(41)
+    # Its key is none the dispatcher asks to capture at a fixed size.
+    assert all(k.num_tokens <= 16 or not k.uniform for _, k in d.all_keys())
+
+
+def test_dynamic_decode_needs_rows_above_the_sizes_and_at_least_two() -> None:
+    assert CudagraphDispatcher(M.FULL_DECODE_ONLY, SIZES, 16, True).dynamic_decode_rows is None
+    assert CudagraphDispatcher(M.FULL_DECODE_ONLY, SIZES, 17, True).dynamic_decode_rows == (
+        17,
+        17,
+    )
+    # No decode size at or below max_num_reqs: from 2 (one row stays eager).
+    d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [64], 32, True)
+    assert d.dynamic_decode_rows == (2, 32)
+    assert d.dispatch(_decode(1)) == (R.NONE, _decode(1))
+    assert CudagraphDispatcher(M.FULL_DECODE_ONLY, SIZES, 40).dynamic_decode_rows is None

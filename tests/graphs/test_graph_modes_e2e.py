@@ -28,7 +28,8 @@ from tests.utils.requests import greedy
 GRAPH_MODES = ["PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 ALL_MODES = ["NONE", *GRAPH_MODES]
 SIZES = [1, 4, 16]  # few sizes keep start-up short; the dispatcher tests cover more
-BATCH_SIZES = [1, 3, 7, 16, 25]  # 3 and 7 pad; 25 is above the largest size: eager
+# 3 and 7 pad; 25 is above the largest size: the dynamic decode graph's, else eager.
+BATCH_SIZES = [1, 3, 7, 16, 25]
 MODELS = ["stories", "llama-gqa", "qwen3"]
 NUM_LAYERS = {"stories": 5, "llama-gqa": 2, "qwen3": 2}
 VOCAB = {"stories": 512, "llama-gqa": 128, "qwen3": 128}
@@ -193,7 +194,10 @@ def test_greedy_ids_equal_mode_none(
     """Mixed prompt lengths (2 to 16 tokens), batch sizes that need padding."""
     prompts = _prompts(model, bs, (1, 15), seed=bs)
     ran = _compare(engine, model, mode, prompts, max_tokens=8 if model == "stories" else 6)
-    if bs > SIZES[-1]:
+    if bs > SIZES[-1] and mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        # Its decode steps: the dynamic decode graph (rows 17 to max_num_seqs 32).
+        assert ran.get("FULL", 0) > 0, f"no dynamic decode graph step ran: {ran}"
+    elif bs > SIZES[-1]:
         assert ran == {"NONE": ran.get("NONE", 0)} and ran, "a batch above 16 must run eager"
     else:
         graph_mode = "PIECEWISE" if mode == "PIECEWISE" else "FULL"
@@ -271,8 +275,10 @@ def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir
     )
     runner = llm.llm_engine.runner
     assert runner.graph_runner.dispatcher.capture_sizes == [1, 4, 16]
-    # Full decode graphs for 1 and 4 requests; 6 pieces for each of the three sizes.
-    assert runner.graph_runner.stats.num_graphs == 2 + 3 * 6
+    # Full decode graphs for 1 and 4 requests and the dynamic one for 5 to 8; 6 pieces
+    # for each of the three sizes.
+    assert runner.graph_runner.stats.dynamic_decode_rows == (5, 8)
+    assert runner.graph_runner.stats.num_graphs == 3 + 3 * 6
     prompts = _prompts("stories", 2, (20, 30), seed=9)  # chunks of 16 tokens
     before = dict(runner.graph_runner.mode_counts)
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=8)
@@ -372,7 +378,9 @@ def test_default_capture_sizes_stop_at_max_num_batched_tokens(
 # ---------------------------------------------------------------- counts and capture
 
 
-def _expected_graphs(mode: str, num_sizes: int, num_layers: int) -> int:
+def _expected_graphs(mode: str, num_sizes: int, num_layers: int, dynamic: bool = False) -> int:
+    """Graphs per capture size times the sizes, and the dynamic decode graph where
+    `dynamic` (max_num_seqs above the largest size) and the mode has decode graphs."""
     pieces = num_layers + 1
     per_size = {
         "NONE": 0,
@@ -381,7 +389,8 @@ def _expected_graphs(mode: str, num_sizes: int, num_layers: int) -> int:
         "FULL_DECODE_ONLY": 1,
         "FULL_AND_PIECEWISE": 1 + pieces,
     }
-    return per_size[mode] * num_sizes
+    has_dynamic = dynamic and mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+    return per_size[mode] * num_sizes + has_dynamic
 
 
 @pytest.mark.parametrize("mode", ALL_MODES)
@@ -389,7 +398,8 @@ def _expected_graphs(mode: str, num_sizes: int, num_layers: int) -> int:
 def test_graph_count_on_a_real_engine(engine: Callable[..., LLM], model: str, mode: str) -> None:
     runner = engine(model, mode).llm_engine.runner
     assert runner.graph_runner.mode.name == mode  # the CPU backend supports ALWAYS: no downgrade
-    expected = _expected_graphs(mode, len(SIZES), NUM_LAYERS[model])
+    # max_num_seqs 32 is above the largest size, 16: the dynamic decode graph too.
+    expected = _expected_graphs(mode, len(SIZES), NUM_LAYERS[model], dynamic=True)
     assert runner.graph_runner.stats.num_graphs == expected
     assert sum(runner.graph_runner.stats.by_mode.values()) == expected
 
@@ -473,7 +483,9 @@ def test_full_decode_graph_batches_with_a_row_that_does_not_sample_match_mode_no
 
 
 def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path) -> None:
-    """The one Inductor test (a compile costs seconds): one capture size."""
+    """The one Inductor test (a compile costs seconds): one capture size, and the dynamic
+    decode graph for 2 to 4 requests (compiled once for symbolic rows, then replayed as
+    the batch shrinks from 4 to 2)."""
     prompts = _prompts("stories", 1, (5, 5), seed=5)
     llm = LLM(
         str(stories_dir),
@@ -487,7 +499,16 @@ def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path
     )
     eager = LLM(str(stories_dir), enforce_eager=True, max_model_len=64, max_num_seqs=4)
     assert _run(llm, prompts, 16) == _run(eager, prompts, 16)
-    assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 15
+    graph_runner = llm.llm_engine.runner.graph_runner
+    assert graph_runner.mode_counts[("decode", "FULL")] == 15
+    assert graph_runner.stats.dynamic_decode_rows == (2, 4)
+    batch = _prompts("stories", 4, (3, 9), seed=6)
+    lengths = [greedy(8 + 4 * i) for i in range(4)]
+    got = llm.generate(batch, lengths, use_tqdm=False)
+    want = eager.generate(batch, lengths, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert graph_runner.graphs[(RuntimeMode.FULL, graph_runner.dynamic_key)].num_replays >= 12
+    assert graph_runner.mode_counts[("decode", "NONE")] == 0
 
 
 def test_inductor_freezing_leaves_kv_caches_and_metadata_live(stories_dir: Path) -> None:
@@ -537,6 +558,7 @@ def test_a_bf16_model_takes_the_batch_1_projection_in_a_full_decode_graph(
             "cudagraph_mode": "FULL_DECODE_ONLY",
             "cudagraph_capture_sizes": [1],
             "use_inductor": use_inductor,
+            "dynamic_decode_graph": False,  # batch 1 only here
         },
         **kwargs,
     )
@@ -572,8 +594,10 @@ def test_graphs_cli_prints_mode_sizes_count_time_and_memory(stories_dir: Path) -
     assert report["requested_mode"] == "FULL_AND_PIECEWISE"
     assert report["resolved_mode"] == "FULL_AND_PIECEWISE"
     assert report["capture_sizes"] == [1, 2]
-    assert report["num_graphs"] == _expected_graphs("FULL_AND_PIECEWISE", 2, 5)
-    assert report["graphs_by_mode"] == {"FULL": 2, "PIECEWISE": 12}
+    # The default max_num_seqs is above the largest size: the dynamic decode graph too.
+    assert report["dynamic_decode_rows"] == [3, 256]
+    assert report["num_graphs"] == _expected_graphs("FULL_AND_PIECEWISE", 2, 5, dynamic=True)
+    assert report["graphs_by_mode"] == {"FULL": 3, "PIECEWISE": 12}
     assert report["kv_cache_blocks"] > 0
     assert report["capture_seconds"] > 0
     assert isinstance(report["capture_memory_bytes"], int) and report["capture_memory_bytes"] >= 0

@@ -1,7 +1,8 @@
 """The graph runner on a real engine (stories260K): capture with dummy lengths, largest
 first into one pool, capture closed after start-up, replay over the persistent buffers
 (a step that does not refresh one gives wrong ids), graph params refreshed before each
-replay, padded rows writing no KV, addresses checked on first replay."""
+replay, padded rows writing no KV, addresses checked on first replay; the dynamic decode
+graph (batches above the capture sizes), and its fallback where it cannot be made."""
 
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ GREEDY = greedy(24)
 PROMPTS = [[1, 50, 60], [1, 70, 80, 90, 100], [1, 33]]
 
 
-def _llm(stories_dir: Path, mode: str, sizes: list[int], **kwargs: object) -> LLM:
+def _llm(
+    stories_dir: Path, mode: str, sizes: list[int], dynamic: bool = False, **kwargs: object
+) -> LLM:
+    """A small engine; its graphs are the listed sizes' only, unless `dynamic`."""
     return LLM(
         str(stories_dir),
         compilation_config={
             "cudagraph_mode": mode,
             "cudagraph_capture_sizes": sizes,
             "use_inductor": False,
+            "dynamic_decode_graph": dynamic,
         },
         max_model_len=128,
         max_num_seqs=8,
@@ -313,3 +318,72 @@ def test_a_reallocated_persistent_buffer_is_caught_on_first_replay(stories_dir: 
     )
     with pytest.raises(InputAddressError):
         _greedy(llm, PROMPTS[:1])
+
+
+# ---------------------------------------------------------------- dynamic decode graph
+
+
+def test_the_dynamic_decode_graph_serves_batches_above_the_sizes_with_eager_ids(
+    stories_dir: Path, eager_llm: LLM
+) -> None:
+    """Sizes [1, 2, 4], max_num_seqs 8: one graph of 5 to 8 rows, traced with symbolic rows
+    once, replayed at each batch size the requests leave (8 down to 5), every step FULL;
+    ids as the eager engine's. A replay outside its rows is refused."""
+    llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4], dynamic=True)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    assert graph_runner.stats.dynamic_decode_rows == (5, 8)
+    assert graph_runner.stats.num_graphs == 4
+    graph = graph_runner.graphs[(RuntimeMode.FULL, graph_runner.dynamic_key)]
+    assert graph.name == "FULL(rows 5-8)"
+    # One symbol for the rows in the traced code, no size of 5 to 8 baked in.
+    assert [n.op for n in graph.graph_module.graph.nodes].count("placeholder") >= 2
+    prompts = [[1, 20 + i, 30 + i] for i in range(8)]
+    # Different lengths: the batch shrinks from 8 to 5 as requests finish.
+    params = [greedy(6 + 3 * i) for i in range(8)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    counts = graph_runner.mode_counts
+    assert counts[("decode", "FULL")] > 0 and counts[("decode", "NONE")] == 0
+    assert graph.num_replays > 0
+    with pytest.raises(ValueError, match="rows"):
+        graph.replay_rows(4)
+
+
+def test_a_dynamic_decode_graph_that_cannot_be_traced_leaves_those_batches_eager(
+    stories_dir: Path,
+    eager_llm: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A model whose trace depends on the row count fails the trace (trace_rows): start-up
+    goes on without the graph, logs why once, and the engine's dispatcher no longer sends
+    those batches to a graph."""
+    from decodegraph.platforms.cpu import CpuPlatform
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the trace guarded on the row count")
+
+    monkeypatch.setattr(CpuPlatform, "make_dynamic_graph", fail)
+    with caplog.at_level("WARNING", logger="decodegraph.graphs.graph_runner"):
+        llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4], dynamic=True)
+    assert "no dynamic decode graph for 5-8 requests" in caplog.text
+    assert "guarded on the row count" in caplog.text
+    graph_runner = llm.llm_engine.runner.graph_runner
+    assert graph_runner.stats.dynamic_decode_rows is None and graph_runner.stats.num_graphs == 3
+    assert llm.llm_engine.engine_core.dispatcher.dynamic_decode_rows is None
+    prompts = [[1, 20 + i, 30 + i] for i in range(8)]
+    assert _greedy(llm, prompts) == _greedy(eager_llm, prompts)
+    assert graph_runner.mode_counts[("decode", "NONE")] > 0
+
+
+def test_a_dynamic_decode_graph_asked_of_a_platform_without_one_is_refused_with_a_warning(
+    stories_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        registered_platform(StaticGraphPlatform) as device,
+        caplog.at_level("WARNING", logger="decodegraph.graphs.graph_runner"),
+    ):
+        llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4], dynamic=True, device=device)
+    assert "compilation_config.dynamic_decode_graph" in caplog.text
+    assert llm.llm_engine.runner.graph_runner.dynamic_key is None

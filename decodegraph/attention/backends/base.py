@@ -241,6 +241,14 @@ class AttentionBackend:
         else that changes from step to step (no host value baked in at capture)."""
         return False
 
+    def supports_dynamic_rows(self) -> bool:
+        """Whether a full decode graph traced with symbolic rows (the dynamic decode
+        graph) runs any number of requests over these params: true where every
+        attention call of a uniform decode step takes the rows it is given and reads the
+        live requests' count, slots and lengths from the params' tensors at run time,
+        with no host value of the capture baked in."""
+        return False
+
     def native_op_args(self, layer_idx: int, params_id: int) -> tuple | None:
         """(operator, its arguments after q, k, v) when this step's attention is one
         native operator that the layer may call directly instead of unified_attention

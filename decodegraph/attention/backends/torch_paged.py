@@ -160,6 +160,10 @@ class CPUAttentionBackend(AttentionBackend):
         # gather) bakes max_seq_len, a host value, into a decode step.
         return not any(self._gathers(k_cache.dtype) for k_cache, _ in self.kv_caches)
 
+    def supports_dynamic_rows(self) -> bool:
+        # The same condition: the native operator reads the request count at run time.
+        return self.supports_multi_step_graphs()
+
     def graph_tensors(self, params_id: int) -> list[torch.Tensor]:
         tensors = super().graph_tensors(params_id)
         return tensors if self._scores is None else [*tensors, self._scores]
