@@ -61,9 +61,14 @@ def trace_rows(
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    # Static by default: the tensors fn reads besides its inputs become fakes of fixed
+    # shapes (a symbol for each of their dimensions would only cost time).
+    fake_mode = FakeTensorMode(static_shapes=True, shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     fakes = [
-        fake_mode.from_tensor(t, symbolic_context=rows_symbolic(t, fewest_rows)) for t in inputs
+        fake_mode.from_tensor(
+            t, static_shapes=False, symbolic_context=rows_symbolic(t, fewest_rows)
+        )
+        for t in inputs
     ]
     with torch.no_grad(), tracing(TracingContext(fake_mode)):
         return make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="symbolic")(
