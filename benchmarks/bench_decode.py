@@ -145,14 +145,18 @@ class EngineSide:
     def __init__(self, model: str, mode: str, use_inductor: bool, **engine_kwargs: Any) -> None:
         steps = engine_kwargs.get("num_scheduler_steps", 1)
         multi_step_graphs = engine_kwargs.pop("multi_step_graphs", False)
+        dynamic = engine_kwargs.pop("dynamic_decode_graph", False)
         self.name = mode if steps == 1 else f"{mode} x{steps}"
         if multi_step_graphs:
             self.name += " graph"
+        if dynamic:
+            self.name += " dynamic"
         start = time.perf_counter()
         compilation = {
             "cudagraph_mode": mode,
             "use_inductor": use_inductor,
             "multi_step_graphs": multi_step_graphs,
+            "dynamic_decode_graph": dynamic,
         }
         sizes = engine_kwargs.pop("capture_sizes", None)
         if sizes:
@@ -352,6 +356,15 @@ def main() -> None:
         "greedy batch's steps as one graph (compilation_config multi_step_graphs)",
     )
     p.add_argument(
+        "--dynamic-decode-graph",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="engine sides per mode, one per setting of compilation_config "
+        "dynamic_decode_graph (on: uniform decode batches above the largest capture size "
+        "run one graph; the row's name ends in 'dynamic')",
+    )
+    p.add_argument(
         "--llama2c-march",
         default="native",
         help="gcc -march for llama2.c (x86-64-v3: AVX2 code, to run beside the AVX2-only "
@@ -451,10 +464,12 @@ def main() -> None:
                 not args.no_inductor,
                 num_scheduler_steps=k,
                 multi_step_graphs=graph,
+                dynamic_decode_graph=dynamic == "on",
                 **engine_kwargs,
             )
             for m in dict.fromkeys(modes)
             for k, graph in settings
+            for dynamic in dict.fromkeys(args.dynamic_decode_graph)
         ]
         others, skipped = build_peers(
             peer_names, path, dtype, args.threads, work, args.llama2c_march

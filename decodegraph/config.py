@@ -244,9 +244,10 @@ class CompilationConfig:
     # all the steps of a greedy batch (docs/design.md §3, "multi-step graphs").
     multi_step_graphs: bool = False
     # Uniform decode batches above the largest capture size: one graph, compiled for any
-    # row count, instead of the eager model (docs/design.md §3, "dynamic decode graph").
-    # None: wherever the platform makes such graphs (CPU).
-    dynamic_decode_graph: bool | None = None
+    # row count, instead of the eager model (docs/design.md §3, "dynamic decode graph"),
+    # where the platform makes such graphs (CPU). Off by default: one more trace and
+    # compile at start-up (README, "Graph modes").
+    dynamic_decode_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:
@@ -269,10 +270,8 @@ class CompilationConfig:
             raise ValueError("compilation_config.cudagraph_num_of_warmups: must be >= 0")
         if not isinstance(self.multi_step_graphs, bool):
             raise ValueError("compilation_config.multi_step_graphs: must be true or false")
-        if self.dynamic_decode_graph is not None and not isinstance(
-            self.dynamic_decode_graph, bool
-        ):
-            raise ValueError("compilation_config.dynamic_decode_graph: must be true, false or null")
+        if not isinstance(self.dynamic_decode_graph, bool):
+            raise ValueError("compilation_config.dynamic_decode_graph: must be true or false")
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | str | None) -> CompilationConfig:

@@ -143,25 +143,23 @@ class GraphRunner:
 
     def _dynamic_decode(self) -> bool:
         """Whether uniform decode batches above the largest capture size may run one
-        graph of dynamic rows: asked for or left to the platform (None), and made by it.
-        Asked for where it cannot be, why not is logged once."""
-        wanted = self.compilation_config.dynamic_decode_graph
-        if wanted is False:
+        graph of dynamic rows: asked for, and made by this platform and every attention
+        group (why not is logged once)."""
+        if not self.compilation_config.dynamic_decode_graph:
             return False
         if not self.platform.supports_dynamic_graphs:
-            if wanted:
-                logger.warning(
-                    "compilation_config.dynamic_decode_graph: platform %s fixes every "
-                    "graph's shapes at capture; batches above the largest capture size "
-                    "run eagerly",
-                    self.platform.name,
-                )
+            logger.warning(
+                "compilation_config.dynamic_decode_graph: platform %s fixes every graph's "
+                "shapes at capture; batches above the largest capture size run eagerly",
+                self.platform.name,
+            )
             return False
         fixed = [name for name, backend in self._groups if not backend.supports_dynamic_rows()]
         if fixed:
-            logger.info(
-                "no dynamic decode graph: attention group(s) %s bake the batch's shape into "
-                "a graph",
+            logger.warning(
+                "compilation_config.dynamic_decode_graph: attention group(s) %s bake the "
+                "batch's shape into a graph; batches above the largest capture size run "
+                "eagerly",
                 ", ".join(fixed),
             )
             return False
@@ -335,8 +333,7 @@ class GraphRunner:
         except Exception as e:  # noqa: BLE001 - any failed trace: run those batches eagerly
             logger.warning(
                 "no dynamic decode graph for %d-%d requests (%s: %s); uniform decode batches "
-                "above the largest capture size run eagerly. "
-                "compilation_config.dynamic_decode_graph=false skips the attempt.",
+                "above the largest capture size run eagerly",
                 fewest,
                 most,
                 type(e).__name__,

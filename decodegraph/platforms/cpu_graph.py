@@ -511,12 +511,15 @@ class DynamicRowsCpuGraph(DeviceGraph):
             self._pending = None
 
     def _run(self) -> Any:
-        return self.replay_rows(self.rows[1])
+        return self._run_rows(self.rows[1])
 
     def replay_rows(self, num_rows: int) -> Any:
         if not self.rows[0] <= num_rows <= self.rows[1]:
             raise ValueError(f"graph {self.name}: {num_rows} rows, not in {list(self.rows)}")
-        self.finish()
         self.num_replays += 1
+        return self._run_rows(num_rows)
+
+    def _run_rows(self, num_rows: int) -> Any:
+        self.finish()
         out = self._call(*(t[:num_rows] for t in self.inputs))
         return out[0] if self._single_output and isinstance(out, (list, tuple)) else out

@@ -162,9 +162,8 @@ def test_graphs_prints_a_readable_table_with_the_reason_of_a_downgrade(
     assert lines["resolved mode"] == "FULL_AND_PIECEWISE"
     assert "attention support is UNIFORM_SINGLE_TOKEN_DECODE" in lines["why"]
     assert lines["capture sizes"] == "1, 2"
-    # The default max_num_seqs (256) is above the sizes: the dynamic decode graph too.
-    assert lines["dynamic decode"] == "3 to 256 requests"
-    assert lines["graphs"] == "15, FULL: 3, PIECEWISE: 12"
+    assert lines["dynamic decode"] == "-"  # off unless asked for
+    assert lines["graphs"] == "14, FULL: 2, PIECEWISE: 12"
     assert lines["capture"].endswith("MiB") and lines["start-up"].startswith("load ")
     assert "FULL          decode" in out and "PIECEWISE     mixed" in out
 

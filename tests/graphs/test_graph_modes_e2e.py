@@ -74,6 +74,7 @@ def engine(model_dirs: dict[str, Path]) -> Iterator[Callable[..., LLM]]:
                     "cudagraph_mode": mode,
                     "cudagraph_capture_sizes": SIZES,
                     "use_inductor": False,
+                    "dynamic_decode_graph": True,
                 },
                 skip_tokenizer_init=model != "stories",
                 **CONFIGS[config],
@@ -268,6 +269,7 @@ def test_listed_capture_sizes_above_max_num_seqs_serve_mixed_batches(stories_dir
             "cudagraph_mode": "FULL_AND_PIECEWISE",
             "cudagraph_capture_sizes": [1, 4, 16, 32],
             "use_inductor": False,
+            "dynamic_decode_graph": True,
         },
         max_model_len=64,
         max_num_seqs=8,
@@ -493,6 +495,7 @@ def test_inductor_compiled_full_decode_graph_matches_mode_none(stories_dir: Path
             "cudagraph_mode": "FULL_DECODE_ONLY",
             "cudagraph_capture_sizes": [1],
             "use_inductor": True,
+            "dynamic_decode_graph": True,
         },
         max_model_len=64,
         max_num_seqs=4,
@@ -558,7 +561,6 @@ def test_a_bf16_model_takes_the_batch_1_projection_in_a_full_decode_graph(
             "cudagraph_mode": "FULL_DECODE_ONLY",
             "cudagraph_capture_sizes": [1],
             "use_inductor": use_inductor,
-            "dynamic_decode_graph": False,  # batch 1 only here
         },
         **kwargs,
     )
@@ -588,13 +590,14 @@ def _graphs_cli(*args: str) -> dict:
 def test_graphs_cli_prints_mode_sizes_count_time_and_memory(stories_dir: Path) -> None:
     config = {"cudagraph_mode": "full_and_piecewise", "cudagraph_capture_sizes": [1, 2]}
     config["use_inductor"] = False
+    config["dynamic_decode_graph"] = True
     report = _graphs_cli(
         str(stories_dir), "--max-model-len", "64", "--compilation-config", json.dumps(config)
     )
     assert report["requested_mode"] == "FULL_AND_PIECEWISE"
     assert report["resolved_mode"] == "FULL_AND_PIECEWISE"
     assert report["capture_sizes"] == [1, 2]
-    # The default max_num_seqs is above the largest size: the dynamic decode graph too.
+    # The default max_num_seqs is above the largest size: the dynamic decode graph's range.
     assert report["dynamic_decode_rows"] == [3, 256]
     assert report["num_graphs"] == _expected_graphs("FULL_AND_PIECEWISE", 2, 5, dynamic=True)
     assert report["graphs_by_mode"] == {"FULL": 3, "PIECEWISE": 12}
