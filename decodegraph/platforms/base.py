@@ -52,7 +52,7 @@ def trace_rows(
     symbol, valid from `fewest_rows` (at least 2) to the rows the inputs have: one graph
     for every row count in that range. Code whose result depends on where in the range
     the rows lie (a branch on the row count, a size baked from elsewhere) fails the
-    trace (torch's ConstraintViolationError) instead of narrowing the graph silently.
+    trace (`RowsGuardError`) instead of narrowing the graph silently.
 
     The trace runs on fake copies of `inputs`, so every other tensor `fn` reads (weights,
     KV caches, attention metadata) becomes a constant of the graph, at its size now."""
@@ -71,9 +71,37 @@ def trace_rows(
         for t in inputs
     ]
     with torch.no_grad(), tracing(TracingContext(fake_mode)):
-        return make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="symbolic")(
-            *fakes
-        )
+        gm = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="symbolic")(*fakes)
+    _check_rows_guards(fake_mode.shape_env, fakes, fewest_rows, min(t.shape[0] for t in inputs))
+    return gm
+
+
+class RowsGuardError(RuntimeError):
+    """A trace of symbolic rows took a path that holds for some row counts only."""
+
+
+def _check_rows_guards(
+    shape_env: Any, fakes: Sequence[torch.Tensor], fewest_rows: int, most: int
+) -> None:
+    """Raise RowsGuardError unless every assumption the trace made about the rows (its
+    guards, and none of the row counts turned into a constant) holds for every count
+    from `fewest_rows` to `most`: make_fx records them, it does not check them against
+    the range. (Nothing here may ask a fake's rows as an int: that fixes them.)"""
+    import sympy
+
+    symbols = {f.shape[0].node.expr for f in fakes if isinstance(f.shape[0], torch.SymInt)}
+    fixed = [s for s in symbols if not isinstance(shape_env.replace(s), sympy.Symbol)]
+    if fixed or not symbols:
+        raise RowsGuardError(f"the trace fixed the row count at {most}")
+    # Every symbol of the trace is a row count (the rest is static), all of them equal.
+    for guard in shape_env.guards:
+        free = guard.expr.free_symbols
+        for n in range(fewest_rows, most + 1):
+            if guard.expr.xreplace(dict.fromkeys(free, n)) is not sympy.true:
+                raise RowsGuardError(
+                    f"the trace assumed {guard.expr}, false for {n} rows (of "
+                    f"{fewest_rows} to {most}): code took a path that depends on the row count"
+                )
 
 
 def rows_symbolic(t: torch.Tensor, fewest_rows: int) -> object:

@@ -733,3 +733,37 @@ def test_the_replay_unflattener_rebuilds_every_output_structure(tree: object) ->
     out = _unflattener(spec)(leaves)
     assert pytree.tree_structure(out) == spec
     assert all(a is b for a, b in zip(pytree.tree_leaves(out), leaves, strict=True))
+
+
+# ---------------------------------------------------------------- rows traced symbolic
+
+
+def test_a_trace_of_symbolic_rows_runs_at_every_row_count_of_its_range() -> None:
+    from decodegraph.platforms.base import trace_rows
+
+    weight = torch.randn(4, 3)
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (x @ weight + y).relu()
+
+    gm = trace_rows(fn, [torch.randn(16, 4), torch.randn(16, 3)], fewest_rows=5)
+    for n in (5, 9, 16):
+        x, y = torch.randn(n, 4), torch.randn(n, 3)
+        torch.testing.assert_close(gm(x, y), fn(x, y))
+
+
+@pytest.mark.parametrize(
+    "branch",
+    [
+        lambda x: x * 2 if x.shape[0] <= 8 else x * 3,  # a path for some counts only
+        lambda x: x.view(int(x.shape[0]), 4) * 2,  # the count made a constant
+    ],
+    ids=["branch", "constant"],
+)
+def test_a_trace_of_symbolic_rows_that_depends_on_the_count_fails(branch: object) -> None:
+    """make_fx records such assumptions as guards without checking them against the
+    range; trace_rows does, instead of returning a graph wrong for part of it."""
+    from decodegraph.platforms.base import RowsGuardError, trace_rows
+
+    with pytest.raises(RowsGuardError, match="row count"):
+        trace_rows(branch, [torch.randn(16, 4)], fewest_rows=5)
