@@ -115,8 +115,6 @@ class GraphRunner:
         self._capture_contexts: dict[GraphKey, ForwardContext] = {}
         # Steps a multi-step decode graph runs (1: none are captured; docs/design.md §3).
         self.graph_num_steps = 1
-        # The dynamic decode graph's key (its most rows), where there is one.
-        self.dynamic_key: BatchDescriptor | None = None
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -136,10 +134,14 @@ class GraphRunner:
         self.dispatcher = CudagraphDispatcher(
             self.mode, self.capture_sizes, self.max_num_reqs, self._dynamic_decode()
         )
-        rows = self.dispatcher.dynamic_decode_rows
-        self.dynamic_key = None if rows is None else BatchDescriptor(rows[1], rows[1], True)
         self.graph_num_steps = self._graph_num_steps()
         return self.mode
+
+    @property
+    def dynamic_key(self) -> BatchDescriptor | None:
+        """The dynamic decode graph's key (its most rows), where there is one."""
+        rows = self.dispatcher.dynamic_decode_rows
+        return None if rows is None else BatchDescriptor(rows[1], rows[1], True)
 
     def _dynamic_decode(self) -> bool:
         """Whether uniform decode batches above the largest capture size may run one
@@ -320,13 +322,14 @@ class GraphRunner:
         span them all; each step's host values say how many are live). None where the
         model's trace depends on where in the range the rows lie (logged once): those
         batches then run eagerly, and the dispatcher no longer sends them here."""
-        assert self.dynamic_key is not None and self.dispatcher.dynamic_decode_rows
+        key = self.dynamic_key
+        assert key is not None and self.dispatcher.dynamic_decode_rows
         fewest, most = self.dispatcher.dynamic_decode_rows
         try:
             return self.platform.make_dynamic_graph(
                 f"FULL(rows {fewest}-{most})",
                 fn,
-                self.graph_inputs(RuntimeMode.FULL, self.dynamic_key)[:2],
+                self.graph_inputs(RuntimeMode.FULL, key)[:2],
                 fewest,
                 self.compilation_config,
             )
@@ -340,7 +343,6 @@ class GraphRunner:
                 str(e).splitlines()[0] if str(e) else "",
             )
             self.dispatcher.dynamic_decode_rows = None
-            self.dynamic_key = None
             return None
 
     @staticmethod
@@ -414,8 +416,7 @@ class GraphRunner:
         rows] for a multi-step graph (`key.num_steps` > 1), hidden states otherwise."""
         rows = 0  # the dynamic decode graph's live rows; 0 for a graph of fixed rows
         if key.uniform and key.num_steps == 1 and self.dispatcher.covers_dynamic(key.num_tokens):
-            assert self.dynamic_key is not None
-            rows, key = key.num_tokens, self.dynamic_key
+            rows, key = key.num_tokens, self.dynamic_key  # type: ignore[assignment]
         replay = self._replays[key]
         if not replay.checked:
             inputs = self.graph_inputs(mode, key)

@@ -106,7 +106,9 @@ def _check_rows_guards(
 
 def rows_symbolic(t: torch.Tensor, fewest_rows: int) -> object:
     """A fake tensor's symbolic context: its first dimension dynamic, from `fewest_rows`
-    to its size now; the others static."""
+    to its size now; the others static. The range is the symbol's value range, against
+    which the trace decides what it can (`statically_known_true`); make_fx does not
+    enforce it (trace_rows checks the guards itself)."""
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,
         StatelessSymbolicContext,

@@ -164,13 +164,15 @@ def start_inductor_compile(
     spec = pytree.tree_flatten(output.args[0])[1]
     # The C++ wrapper's intermediates allocated once (platforms/inductor_static.py).
     static = inductor_static.applies(options) and not fewest_rows
-    key = cpu_graph_cache.graph_key(
-        gm,
-        node_meta,
-        args,
-        options,
-        f"rows from {fewest_rows}" if fewest_rows else inductor_static.VERSION if static else "",
-    )
+    # What the module's wrapper is, besides the graph: its rows' range or its static
+    # buffers' version, or neither.
+    if fewest_rows:
+        variant = f"rows from {fewest_rows}"
+    elif static:
+        variant = inductor_static.VERSION
+    else:
+        variant = ""
+    key = cpu_graph_cache.graph_key(gm, node_meta, args, options, variant)
     tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
     loaded = _load_indexed(key, args, spec, options)
     if loaded is not None:
@@ -413,6 +415,18 @@ def _lift_tensor_attributes(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return tensors
 
 
+def _returns_one(gm: torch.fx.GraphModule) -> bool:
+    """Whether the traced function returns one tensor (not a tuple or list of them)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return not isinstance(output.args[0], (tuple, list))
+
+
+def _as_returned(out: Any, single: bool) -> Any:
+    """A graph's outputs as the traced function returned them: a compiled module returns
+    a list even for one tensor."""
+    return out[0] if single and isinstance(out, (list, tuple)) else out
+
+
 class CpuGraph(DeviceGraph):
     """A traced op graph replayed without running the model's Python.
 
@@ -432,9 +446,8 @@ class CpuGraph(DeviceGraph):
     ) -> None:
         super().__init__(name, inputs)
         self.graph_module = trace(fn, inputs, decompositions)
-        output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
         # A compiled graph returns a list even for one tensor; give back what fn returns.
-        self._single_output = not isinstance(output.args[0], (tuple, list))
+        self._single_output = _returns_one(self.graph_module)
         self._pending: Callable[[], Callable[..., object]] | None = None
         # What a replay calls: the callable over the bound inputs, once finished.
         self._bound: Callable[[], object] = self._finish_then_run
@@ -469,7 +482,7 @@ class CpuGraph(DeviceGraph):
 
     def _run(self) -> Any:
         out = self._bound()
-        return out[0] if self._single_output and isinstance(out, (list, tuple)) else out
+        return _as_returned(out, self._single_output)
 
 
 class DynamicRowsCpuGraph(DeviceGraph):
@@ -493,8 +506,7 @@ class DynamicRowsCpuGraph(DeviceGraph):
         super().__init__(name, inputs)
         self.rows = (fewest_rows, min(t.shape[0] for t in inputs))
         self.graph_module = trace_rows(fn, inputs, fewest_rows, decompositions)
-        output = next(n for n in reversed(self.graph_module.graph.nodes) if n.op == "output")
-        self._single_output = not isinstance(output.args[0], (tuple, list))
+        self._single_output = _returns_one(self.graph_module)
         self._pending: Callable[[], Callable[..., object]] | None = None
         self._call: Callable[..., object] = self.graph_module
         if use_inductor:
@@ -522,4 +534,4 @@ class DynamicRowsCpuGraph(DeviceGraph):
     def _run_rows(self, num_rows: int) -> Any:
         self.finish()
         out = self._call(*(t[:num_rows] for t in self.inputs))
-        return out[0] if self._single_output and isinstance(out, (list, tuple)) else out
+        return _as_returned(out, self._single_output)
