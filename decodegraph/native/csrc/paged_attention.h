@@ -245,10 +245,17 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
         }
     };
     each_vector(vc, weigh);
+    // o[j * D + i] = (lane sum of acc[j * D + i]) / (lane sum of l[j]), Vec::size()
+    // outputs at a time: sum_lanes adds them in sum's order, in a few shuffles for all.
+    float inv[G * D];
     for (int64_t j = 0; j < G; j++) {
-        const float inv = 1.f / sum(l[j]);
+        const float inv_j = 1.f / sum(l[j]);
         for (int64_t i = 0; i < D; i++)
-            o[j * D + i] = sum(acc[j * D + i]) * inv;
+            inv[j * D + i] = inv_j;
+    }
+    for (int64_t c = 0; c < G * D; c += kLanes) {
+        const int64_t n = G * D - c < kLanes ? G * D - c : kLanes;
+        (sum_lanes(&acc[c], n) * Vec::loadu(inv + c, n)).store(o + c, n);
     }
 }
 

@@ -113,6 +113,22 @@ inline Vec sum_lanes(const Vec* v, int64_t n) {
     // a permutation that is its own inverse.
     const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
     return _mm512_permutexvar_ps(order, z);
+#elif defined(CPU_CAPABILITY_AVX2)
+    // The 8 sums the same way, in vec_reduce_all's order (halves, then pairs two apart,
+    // then neighbours).
+    __m256 x[8], t[4], u[2];
+    for (int k = 0; k < 8; k++)
+        x[k] = k < n ? static_cast<__m256>(v[k]) : _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++)  // lanes 0-3: x[k]'s halves added; 4-7: x[k + 4]'s
+        t[k] = _mm256_add_ps(_mm256_permute2f128_ps(x[k], x[k + 4], 0x20),
+                             _mm256_permute2f128_ps(x[k], x[k + 4], 0x31));
+    for (int k = 0; k < 2; k++)  // per half: [a0 + a2, a1 + a3, b0 + b2, b1 + b3]
+        u[k] = _mm256_add_ps(_mm256_shuffle_ps(t[k], t[k + 2], 0x44),
+                             _mm256_shuffle_ps(t[k], t[k + 2], 0xEE));
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88),
+                                   _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    // z's lanes hold the sums of x[0, 2, 1, 3, 4, 6, 5, 7].
+    return _mm256_permute_ps(z, 0xD8);
 #else
     __at_align__ float out[kLanes] = {};
     for (int64_t k = 0; k < n; k++)
