@@ -90,8 +90,18 @@ def _sources() -> tuple[Path, ...]:
 # multiply-add is fused unless a kernel asks for one (rotary_embedding is bit for bit the
 # tensor formula). -fopenmp: at::parallel_for is OpenMP in torch's headers; the library
 # links against libgomp.so.1, the one torch has already loaded. Without it (no OpenMP in
-# the compiler) the operators build and run on one thread.
-_BASE_FLAGS = ["-O3", "-ffast-math", "-ffp-contract=off"]
+# the compiler) the operators build and run on one thread. -falign-loops/-functions=64:
+# every loop and function starts on a cache line, so that an edit elsewhere in the library
+# does not move a kernel's hot loop across the core's fetch boundaries (unaligned, the same
+# loop ran up to a tenth slower after an unrelated change: docs/performance.md,
+# "bench_attention").
+_BASE_FLAGS = [
+    "-O3",
+    "-ffast-math",
+    "-ffp-contract=off",
+    "-falign-loops=64",
+    "-falign-functions=64",
+]
 
 # Per vector ISA: the target and the at::vec capability macro to match. at::vec picks
 # AVX-512 or AVX2 only when CPU_CAPABILITY_AVX512 or _AVX2 is defined (its headers
