@@ -92,9 +92,8 @@ def _sources() -> tuple[Path, ...]:
 # links against libgomp.so.1, the one torch has already loaded. Without it (no OpenMP in
 # the compiler) the operators build and run on one thread. -falign-loops/-functions=64:
 # every loop and function starts on a cache line, so that an edit elsewhere in the library
-# does not move a kernel's hot loop across the core's fetch boundaries (unaligned, the same
-# loop ran up to a tenth slower after an unrelated change: docs/performance.md,
-# "bench_attention").
+# does not move a kernel's hot loop across the core's fetch boundaries, which slowed an
+# unchanged loop measurably (docs/performance.md, 2026-12-07, "kernels aligned").
 _BASE_FLAGS = [
     "-O3",
     "-ffast-math",
