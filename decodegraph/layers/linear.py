@@ -155,11 +155,15 @@ class ReplicatedLinear(nn.Module):
         if weight_t is None or x.dim() != 2:
             return F.linear(x, self.weight, bias)
         rows = x.shape[0]
-        # Under a trace of symbolic rows (the dynamic decode graph): the one-row and
-        # few-rows calls only where every row count the trace covers takes them.
-        if self.one_row is not None and statically_known_true(rows == 1):
+        if isinstance(rows, int):
+            one, few = rows == 1, 1 < rows <= FEW_ROWS_MAX
+        else:
+            # Symbolic rows (the dynamic decode graph's trace): the one-row and few-rows
+            # calls only where every row count the trace covers takes them.
+            one = statically_known_true(rows == 1)
+            few = statically_known_true(rows > 1) and statically_known_true(rows <= FEW_ROWS_MAX)
+        if self.one_row is not None and one:
             return self.one_row(x, self.weight, bias)
-        few = statically_known_true(rows > 1) and statically_known_true(rows <= FEW_ROWS_MAX)
         if self.few_rows is not None and few:
             return self.few_rows(x, self.weight, bias)
         if bias is None:

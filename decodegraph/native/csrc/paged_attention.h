@@ -170,7 +170,8 @@ struct RowFetch {
 // is weighed), each a loop over whole blocks and then the last block's live vectors, with
 // no per-vector branch (attend_group's loops, one body for full and partial vectors, keep
 // their accumulators in memory). The same sums in the same order as attend_group's, so
-// the same result to the bit.
+// the same result to the bit on AVX2 and AVX-512 (the portable loops' lane sums are plain
+// loops that -ffast-math may reorder differently in each).
 template <int64_t D, int64_t G, int64_t BS>
 void attend_group_blocks(const float* q, const float* kc, const float* vc, const int32_t* bt,
                          int64_t len, int64_t tile_stride, int64_t tile_off, float scale,
