@@ -245,9 +245,11 @@ class CompilationConfig:
     multi_step_graphs: bool = False
     # Uniform decode batches above the largest capture size: one graph, compiled for any
     # row count, instead of the eager model (docs/design.md §3, "dynamic decode graph"),
-    # where the platform makes such graphs (CPU). Off by default: one more trace and
-    # compile at start-up (README, "Graph modes").
-    dynamic_decode_graph: bool = False
+    # where the platform makes such graphs (CPU). Unset (the default): on one rank, made
+    # on a thread of its own once the first such batch comes, those batches eager until
+    # then; under tensor parallelism, none. true: made at start-up (every rank). false:
+    # none (README, "Graph modes").
+    dynamic_decode_graph: bool | None = None
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:
@@ -270,8 +272,12 @@ class CompilationConfig:
             raise ValueError("compilation_config.cudagraph_num_of_warmups: must be >= 0")
         if not isinstance(self.multi_step_graphs, bool):
             raise ValueError("compilation_config.multi_step_graphs: must be true or false")
-        if not isinstance(self.dynamic_decode_graph, bool):
-            raise ValueError("compilation_config.dynamic_decode_graph: must be true or false")
+        if self.dynamic_decode_graph is not None and not isinstance(
+            self.dynamic_decode_graph, bool
+        ):
+            raise ValueError(
+                "compilation_config.dynamic_decode_graph: must be true, false or unset (null)"
+            )
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | str | None) -> CompilationConfig:

@@ -1,4 +1,6 @@
-"""The one explicit piece of global state: what the current forward pass attends with.
+"""The one explicit piece of global state: what the current forward pass attends with,
+per thread (a dynamic decode graph may be traced on a thread of its own while the
+engine's thread steps: graphs/graph_runner.py).
 
 Also the key a graph is stored under (`BatchDescriptor`): graphs (which capture and
 dispatch by it) and attention (which builds metadata for it) both import this module,
@@ -7,6 +9,7 @@ and neither imports the other's internals for it.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -60,12 +63,17 @@ class ForwardContext:
         return self.attn_backend if backends is None else backends[layer_idx]
 
 
-_forward_context: ForwardContext | None = None
+class _State(threading.local):
+    context: ForwardContext | None = None
+
+
+_state = _State()
 
 
 def get_forward_context() -> ForwardContext | None:
-    """The context of the forward pass now running, or None outside the engine."""
-    return _forward_context
+    """The context of the forward pass now running on this thread, or None outside the
+    engine."""
+    return _state.context
 
 
 class set_forward_context:  # noqa: N801 - used like the context-manager function it was
@@ -80,9 +88,8 @@ class set_forward_context:  # noqa: N801 - used like the context-manager functio
         self._ctx = ctx
 
     def __enter__(self) -> None:
-        global _forward_context
-        self._prev, _forward_context = _forward_context, self._ctx
+        state = _state
+        self._prev, state.context = state.context, self._ctx
 
     def __exit__(self, *exc: object) -> None:
-        global _forward_context
-        _forward_context = self._prev
+        _state.context = self._prev

@@ -122,6 +122,9 @@ class ModelRunnerOutput:
     # A multi-step batch's later steps (SchedulerOutput.num_steps - 1 of them), in order:
     # their sampled tokens and logprobs, parallel to req_ids like this step's.
     later_steps: list[ModelRunnerOutput] = field(default_factory=list)
+    # Set by the step after which the dynamic decode graph made in the background
+    # serves its (fewest, most) rows: the driver's dispatcher plans them from the next.
+    dynamic_decode_rows: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -311,7 +311,17 @@ class EngineCore:
         except BaseException as e:
             self._fail(e)
             raise
+        if runner_out.dynamic_decode_rows is not None:  # made in the background: from now on
+            self.dispatcher.dynamic_decode_rows = runner_out.dynamic_decode_rows
         return sched_out, self.scheduler.update_from_output(sched_out, runner_out)
+
+    def wait_for_background_graph(self) -> None:
+        """Between steps: wait for a dynamic decode graph being made in the background
+        (one rank), and plan its batches from the next step (benchmarks and tests: an
+        engine does not wait for it)."""
+        rows = self.executor.collective_rpc("wait_for_background_graph")
+        if all(r is not None for r in rows):
+            self.dispatcher.dynamic_decode_rows = rows[0]
 
     def _fail(self, error: BaseException) -> None:
         """After a failed step: no step runs again, and the workers are stopped (a rank

@@ -17,12 +17,15 @@ depends on which platform that is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
+import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +70,10 @@ class CaptureStats:
     by_mode: dict[str, int] = field(default_factory=dict)
     # (fewest, most) rows of the dynamic decode graph, where one was made.
     dynamic_decode_rows: tuple[int, int] | None = None
+    # Where it is made on a thread of its own once a batch needs it: how it went
+    # ("not needed yet", "building", "ready", "failed") and its seconds to build.
+    dynamic_decode_build: str = ""
+    dynamic_decode_build_seconds: float = 0.0
 
 
 class GraphRunner:
@@ -115,6 +122,12 @@ class GraphRunner:
         self._capture_contexts: dict[GraphKey, ForwardContext] = {}
         # Steps a multi-step decode graph runs (1: none are captured; docs/design.md §3).
         self.graph_num_steps = 1
+        # (fewest, most) rows the dynamic decode graph serves, where one is planned; it
+        # is made at start-up or, `dynamic_in_background`, on a thread of its own once a
+        # batch needs it (the dispatcher sends batches to it only when it is made).
+        self.dynamic_rows: tuple[int, int] | None = None
+        self.dynamic_in_background = False
+        self._background: _BackgroundBuild | None = None
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -134,23 +147,33 @@ class GraphRunner:
         self.dispatcher = CudagraphDispatcher(
             self.mode, self.capture_sizes, self.max_num_reqs, self._dynamic_decode()
         )
+        self.dynamic_rows = self.dispatcher.dynamic_decode_rows
+        self.dynamic_in_background = (
+            self.dynamic_rows is not None and self.compilation_config.dynamic_decode_graph is None
+        )
+        if self.dynamic_in_background:
+            self.dispatcher.dynamic_decode_rows = None  # until the graph is made
+            self.stats.dynamic_decode_build = "not needed yet"
         self.graph_num_steps = self._graph_num_steps()
         return self.mode
 
     @property
     def dynamic_key(self) -> BatchDescriptor | None:
-        """The dynamic decode graph's key (its most rows), where there is one."""
-        rows = self.dispatcher.dynamic_decode_rows
+        """The dynamic decode graph's key (its most rows), where one is planned."""
+        rows = self.dynamic_rows
         return None if rows is None else BatchDescriptor(rows[1], rows[1], True)
 
     def _dynamic_decode(self) -> bool:
         """Whether uniform decode batches above the largest capture size may run one
-        graph of dynamic rows: asked for, and made by this platform and every attention
-        group (why not is logged once)."""
-        if not self.compilation_config.dynamic_decode_graph:
+        graph of dynamic rows: asked for (true), or left to the default (unset) on one
+        rank, and made by this platform and every attention group. Why not is logged
+        once: as a warning where it was asked for."""
+        asked = self.compilation_config.dynamic_decode_graph
+        if asked is False:
             return False
+        log = logger.warning if asked else logger.debug
         if not self.platform.supports_dynamic_graphs:
-            logger.warning(
+            log(
                 "compilation_config.dynamic_decode_graph: platform %s fixes every graph's "
                 "shapes at capture; batches above the largest capture size run eagerly",
                 self.platform.name,
@@ -158,11 +181,20 @@ class GraphRunner:
             return False
         fixed = [name for name, backend in self._groups if not backend.supports_dynamic_rows()]
         if fixed:
-            logger.warning(
+            log(
                 "compilation_config.dynamic_decode_graph: attention group(s) %s bake the "
                 "batch's shape into a graph; batches above the largest capture size run "
                 "eagerly",
                 ", ".join(fixed),
+            )
+            return False
+        if asked is None and self.world_size > 1:
+            # Every rank must switch to it in the same step: made at start-up only when
+            # asked for.
+            logger.info(
+                "compilation_config.dynamic_decode_graph unset: under tensor parallelism "
+                "batches above the largest capture size run eagerly (true builds the "
+                "dynamic decode graph at start-up)"
             )
             return False
         return True
@@ -221,7 +253,10 @@ class GraphRunner:
             sizes = sorted(self.dispatcher.decode_sizes, reverse=True)
             keys += [(RuntimeMode.FULL, BatchDescriptor(s, s, True, steps)) for s in sizes]
         if self.dynamic_key is not None:  # the largest: first
-            keys.insert(0, (RuntimeMode.FULL, self.dynamic_key))
+            if self.dynamic_in_background:
+                self._plan_background_build(model, prepare_dummy)
+            else:
+                keys.insert(0, (RuntimeMode.FULL, self.dynamic_key))
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
         # A collection during capture makes it slow (vLLM #21146): collect now, then
@@ -238,7 +273,8 @@ class GraphRunner:
                 with set_forward_context(self._capture_contexts.pop(graph_key)):
                     graph.finish()
         self.closed = True
-        self.stats.dynamic_decode_rows = self.dispatcher.dynamic_decode_rows
+        if not self.dynamic_in_background:
+            self.stats.dynamic_decode_rows = self.dispatcher.dynamic_decode_rows
         self.stats.seconds = time.perf_counter() - start
         self.stats.memory_bytes = max(0, self.platform.memory_allocated() - memory_before)
         if keys:
@@ -266,21 +302,15 @@ class GraphRunner:
             )
         if mode is RuntimeMode.NONE:
             raise ValueError(f"no graph to capture for runtime mode {mode.name}")
-        metadata = prepare_dummy(mode, key)
         name = f"{mode.name}{key.label()}"
         base = self._eager_context
         if mode is RuntimeMode.FULL:
-            # Every group's params get the same id (they are made in lockstep).
-            ids = {backend.new_graph_params(metadata[group]) for group, backend in self._groups}
-            if len(ids) != 1:
-                raise RuntimeError(f"attention groups' graph params out of step: {ids}")
-            params_id = self.graph_params[key] = ids.pop()
+            params_id, context = self._new_full_params(key, prepare_dummy)
             if key.num_steps > 1:
                 params = [backend.params[params_id] for _, backend in self._groups]
                 fn = multi_step_forward(model, params, self.buffers.block_size, key.num_steps)
             else:
                 fn = self._forward_fn(model, logits=key.uniform)
-            context = dataclasses.replace(base, params_id=params_id)
             with set_forward_context(context):
                 if key == self.dynamic_key:
                     graph = self._make_dynamic_graph(fn)
@@ -298,6 +328,7 @@ class GraphRunner:
                     )
             count = 1
         else:
+            metadata = prepare_dummy(mode, key)
             for group, backend in self._groups:
                 backend.set_eager_metadata(metadata[group])
             context = dataclasses.replace(base, params_id=EAGER_PARAMS_ID, split_attention=True)
@@ -311,20 +342,46 @@ class GraphRunner:
                 )
             count = graph.num_pieces
             params_id = None  # piecewise: attention runs eagerly
-        self.graphs[(mode, key)] = graph
         self._capture_contexts[(mode, key)] = context
+        self._add(mode, key, graph, params_id, count)
+
+    def _add(
+        self,
+        mode: RuntimeMode,
+        key: BatchDescriptor,
+        graph: DeviceGraph,
+        params_id: int | None,
+        count: int,
+    ) -> None:
+        """A made graph, replayed from now on for `key`."""
+        self.graphs[(mode, key)] = graph
         self._replays[key] = _Replay(graph, params_id)
         self.stats.num_graphs += count
         self.stats.by_mode[mode.name] = self.stats.by_mode.get(mode.name, 0) + count
 
-    def _make_dynamic_graph(self, fn: Callable[..., Any]) -> DeviceGraph | None:
+    def _new_full_params(
+        self, key: BatchDescriptor, prepare_dummy: PrepareDummy
+    ) -> tuple[int, ForwardContext]:
+        """A dummy batch for full key `key` in the buffers, every attention group's
+        params for it, and the context its graph is made in (its params id)."""
+        metadata = prepare_dummy(RuntimeMode.FULL, key)
+        # Every group's params get the same id (they are made in lockstep).
+        ids = {backend.new_graph_params(metadata[group]) for group, backend in self._groups}
+        if len(ids) != 1:
+            raise RuntimeError(f"attention groups' graph params out of step: {ids}")
+        params_id = self.graph_params[key] = ids.pop()
+        return params_id, dataclasses.replace(self._eager_context, params_id=params_id)
+
+    def _make_dynamic_graph(
+        self, fn: Callable[..., Any], runs_later: bool = False
+    ) -> DeviceGraph | None:
         """The dynamic decode graph, captured over the most rows (its params' metadata
         span them all; each step's host values say how many are live). None where the
         model's trace depends on where in the range the rows lie (logged once): those
         batches then run eagerly, and the dispatcher no longer sends them here."""
         key = self.dynamic_key
-        assert key is not None and self.dispatcher.dynamic_decode_rows
-        fewest, most = self.dispatcher.dynamic_decode_rows
+        assert key is not None and self.dynamic_rows
+        fewest, most = self.dynamic_rows
         try:
             return self.platform.make_dynamic_graph(
                 f"FULL(rows {fewest}-{most})",
@@ -332,18 +389,112 @@ class GraphRunner:
                 self.graph_inputs(RuntimeMode.FULL, key)[:2],
                 fewest,
                 self.compilation_config,
+                runs_later=runs_later,
             )
         except Exception as e:  # noqa: BLE001 - any failed trace: run those batches eagerly
-            logger.warning(
-                "no dynamic decode graph for %d-%d requests (%s: %s); uniform decode batches "
-                "above the largest capture size run eagerly",
-                fewest,
-                most,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-            )
-            self.dispatcher.dynamic_decode_rows = None
+            self._no_dynamic_graph(e)
             return None
+
+    def _no_dynamic_graph(self, error: BaseException) -> None:
+        """Log why there is no dynamic decode graph; its batches stay eager."""
+        assert self.dynamic_rows is not None
+        logger.warning(
+            "no dynamic decode graph for %d-%d requests (%s: %s); uniform decode batches "
+            "above the largest capture size run eagerly",
+            *self.dynamic_rows,
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        self.dispatcher.dynamic_decode_rows = None
+
+    # ------------------------------------------------ the dynamic graph, in the background
+
+    def _plan_background_build(self, model: torch.nn.Module, prepare_dummy: PrepareDummy) -> None:
+        """At start-up, what the dynamic decode graph will need (its attention params,
+        made here with the other graphs'), and nothing else: it is traced and compiled
+        on a thread of its own when the first batch needs it (`dispatch`)."""
+        key = self.dynamic_key
+        assert key is not None
+        params_id, context = self._new_full_params(key, prepare_dummy)
+        self._background = _BackgroundBuild(
+            self._forward_fn(model, logits=True), params_id, context
+        )
+
+    def _start_background_build(self) -> None:
+        """Trace and compile the dynamic decode graph on a thread of its own. Nothing there
+        runs the graph or writes a buffer (`finish_background_build` does, between
+        steps); the engine's steps go on meanwhile, those it will serve eagerly."""
+        build = self._background
+        assert build is not None and build.thread is None
+        self.stats.dynamic_decode_build = "building"
+
+        def make() -> None:
+            start = time.perf_counter()
+            try:
+                with (
+                    _quick_gil_handover(),
+                    torch.inference_mode(),
+                    set_forward_context(build.context),
+                ):
+                    graph = self.platform.make_dynamic_graph(
+                        "FULL(rows {}-{})".format(*self.dynamic_rows),
+                        build.fn,
+                        self.graph_inputs(RuntimeMode.FULL, self.dynamic_key)[:2],
+                        self.dynamic_rows[0],
+                        self.compilation_config,
+                        runs_later=True,
+                    )
+                    if not build.cancelled:
+                        graph.wait_built()
+                        build.graph = graph
+            except BaseException as e:  # noqa: BLE001 - reported by finish_background_build
+                build.error = e
+            build.seconds = time.perf_counter() - start
+
+        build.thread = threading.Thread(target=make, name="decodegraph-dynamic-graph", daemon=True)
+        build.thread.start()
+
+    def finish_background_build(self, prepare_dummy: PrepareDummy, wait: bool = False) -> bool:
+        """Between steps (the buffers free to write): where the dynamic decode graph made
+        in the background is ready (or, `wait`, once it is), run it once over a dummy
+        batch, as capture does, and let the dispatcher send its batches to it. True when
+        it did so now; a graph that failed is logged, and its batches stay eager."""
+        build = self._background
+        if build is None or build.thread is None:
+            return False
+        if wait:
+            build.thread.join()
+        elif build.thread.is_alive():
+            return False
+        self._background = None
+        self.stats.dynamic_decode_build_seconds = build.seconds
+        try:
+            if build.error is not None:
+                raise build.error
+            assert build.graph is not None
+            prepare_dummy(RuntimeMode.FULL, self.dynamic_key)
+            with torch.inference_mode(), set_forward_context(build.context):
+                build.graph.finish()
+        except Exception as e:  # noqa: BLE001 - any failure: run those batches eagerly
+            self.stats.dynamic_decode_build = "failed"
+            self._no_dynamic_graph(e)
+            return False
+        self._add(RuntimeMode.FULL, self.dynamic_key, build.graph, build.params_id, 1)
+        self.dispatcher.dynamic_decode_rows = self.stats.dynamic_decode_rows = self.dynamic_rows
+        self.stats.dynamic_decode_build = "ready"
+        logger.info(
+            "dynamic decode graph for %d-%d requests made in the background in %.1f s",
+            *self.dynamic_rows,
+            build.seconds,
+        )
+        return True
+
+    def close(self) -> None:
+        """Stop a background build: what it is doing now ends, the graph is dropped."""
+        build, self._background = self._background, None
+        if build is not None and build.thread is not None:
+            build.cancelled = True
+            build.thread.join()
 
     @staticmethod
     def _forward_fn(model: torch.nn.Module, logits: bool) -> Callable[..., Any]:
@@ -393,6 +544,15 @@ class GraphRunner:
         With the driver's `plan` this rank's own decision must be the same: a rank whose
         graphs differ (other capture sizes, another mode) refuses the step rather than
         run eager while the others replay, or replay another size."""
+        build = self._background
+        if (
+            build is not None
+            and build.thread is None
+            and uniform
+            and self.dynamic_rows is not None
+            and self.dynamic_rows[0] <= num_reqs <= self.dynamic_rows[1]
+        ):
+            self._start_background_build()  # the first batch for the dynamic graph
         if plan is not None and self.world_size == 1:
             # The driver's dispatcher was built from this very rank's graphs.
             self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
@@ -441,3 +601,45 @@ class _Replay:
         # A full graph's params id; None for a piecewise graph (eager attention).
         self.params_id = params_id
         self.checked = False
+
+
+# While a graph is made on a thread of its own, how soon (seconds) a thread that asks
+# for the GIL gets it. A step lets the GIL go at each of its operators; at Python's
+# default (5 ms) it would wait that long for it at each, while the build's Python runs.
+_BUILD_SWITCH_INTERVAL_S = 1e-4
+_handover_lock = threading.Lock()
+_handover_users = 0
+_handover_saved = 0.0
+
+
+@contextlib.contextmanager
+def _quick_gil_handover() -> Iterator[None]:
+    """Python's switch interval at _BUILD_SWITCH_INTERVAL_S while any build runs (it is
+    the process's), as it was after the last one ends."""
+    global _handover_users, _handover_saved
+    with _handover_lock:
+        if _handover_users == 0:
+            _handover_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handover_saved, _BUILD_SWITCH_INTERVAL_S))
+        _handover_users += 1
+    try:
+        yield
+    finally:
+        with _handover_lock:
+            _handover_users -= 1
+            if _handover_users == 0:
+                sys.setswitchinterval(_handover_saved)
+
+
+class _BackgroundBuild:
+    """The dynamic decode graph made on a thread of its own (GraphRunner)."""
+
+    def __init__(self, fn: Callable[..., Any], params_id: int, context: ForwardContext) -> None:
+        self.fn = fn
+        self.params_id = params_id
+        self.context = context
+        self.thread: threading.Thread | None = None
+        self.graph: DeviceGraph | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.seconds = 0.0

@@ -11,6 +11,7 @@ then resolves to NONE, with a warning (graphs/modes.py).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
     from decodegraph.config import CompilationConfig, EngineConfig
 
 GraphFn = Callable[..., Any]
+
+# One trace or compile at a time in a process: make_fx and Inductor set process-wide
+# state while they work (a flag, patched classes), and a dynamic decode graph may be
+# built on a thread of its own (graphs/graph_runner.py) while another engine in the same
+# process starts up.
+graph_build_lock = threading.RLock()
 
 
 def trace(
@@ -38,7 +45,7 @@ def trace(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = FakeTensorMode(allow_fallback_kernels=True)
-    with torch.no_grad(), tracing(TracingContext(fake_mode)):
+    with graph_build_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
         return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
 
 
@@ -70,7 +77,7 @@ def trace_rows(
         )
         for t in inputs
     ]
-    with torch.no_grad(), tracing(TracingContext(fake_mode)):
+    with graph_build_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
         gm = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="symbolic")(*fakes)
     _check_rows_guards(fake_mode.shape_env, fakes, fewest_rows, min(t.shape[0] for t in inputs))
     return gm
@@ -173,6 +180,10 @@ class DeviceGraph:
         and run it once where that was put off. The graph runner calls it on every
         graph after capturing them all; a replay before it waits as well."""
 
+    def wait_built(self) -> None:
+        """Wait for what making the graph left running, without running the graph (on
+        any thread; `finish` then runs it once on the thread that steps)."""
+
     def replay(self) -> Any:
         self.num_replays += 1
         return self._run()
@@ -269,13 +280,16 @@ class Platform:
         inputs: Sequence[torch.Tensor],
         fewest_rows: int,
         config: CompilationConfig,
+        runs_later: bool = False,
     ) -> DeviceGraph:
         """One graph of `fn` for every row count from `fewest_rows` (at least 2) to the
         rows of `inputs` (each input's first dimension), replayed by `replay_rows(n)`
         over the first n rows of each (trace_rows).
         Every other tensor `fn` reads stays the same tensor at every replay (so its
         values, not its size, follow the step). Only where `supports_dynamic_graphs`:
-        a device graph fixes every shape at capture."""
+        a device graph fixes every shape at capture. With `runs_later` (a graph made on
+        a thread of its own while steps run) nothing runs over the tensors `fn` reads
+        until `finish`."""
         raise NotImplementedError(f"platform {self.name} has no graphs of dynamic rows")
 
     def make_piece(

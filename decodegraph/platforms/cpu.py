@@ -168,6 +168,7 @@ class CpuPlatform(Platform):
         inputs: Sequence[torch.Tensor],
         fewest_rows: int,
         config: CompilationConfig,
+        runs_later: bool = False,
     ) -> DeviceGraph:
         return DynamicRowsCpuGraph(
             name,
@@ -177,6 +178,7 @@ class CpuPlatform(Platform):
             config.use_inductor,
             self.inductor_options(config),
             self.graph_decompositions(),
+            runs_later,
         )
 
     def make_piece(

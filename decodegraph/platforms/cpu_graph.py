@@ -18,8 +18,20 @@ import torch
 from torch.utils import _pytree as pytree
 
 from decodegraph.platforms import cpu_graph_cache, inductor_static
-from decodegraph.platforms.base import DeviceGraph, GraphFn, rows_symbolic, trace, trace_rows
-from decodegraph.platforms.inductor_cpp import bind_entry, cpp_builds_in_background, entry_call
+from decodegraph.platforms.base import (
+    DeviceGraph,
+    GraphFn,
+    graph_build_lock,
+    rows_symbolic,
+    trace,
+    trace_rows,
+)
+from decodegraph.platforms.inductor_cpp import (
+    bind_entry,
+    cpp_builds_in_background,
+    entry_call,
+    wait_for_build,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +122,8 @@ def start_inductor_compile(
     options: dict[str, object] | None = None,
     bind_next: bool = False,
     fewest_rows: int = 0,
-) -> Callable[[], Callable[..., object]]:
+    runs_later: bool = False,
+) -> PendingCompile:
     """Compile a traced graph with Inductor (no dynamo front end involved) into a
     callable of the same inputs, returning what the graph returns. Returns a function
     to call once: it waits for the compile's C++ build and gives that callable.
@@ -145,6 +158,11 @@ def start_inductor_compile(
     With `fewest_rows` (a graph from trace_rows) the rows of `inputs` stay symbolic, from
     that many to theirs: the module runs over any row count in that range, its
     intermediates allocated per call.
+
+    With `runs_later` nothing runs over `inputs` until the waiting function is called,
+    not even a module from the index (a compile on a thread of its own, while another
+    thread's steps write into those inputs: they hold a batch to run only when that
+    thread says so). `PendingCompile.wait_built` waits for the C++ build without running.
     """
     _wait_for_isa_probe()
     node_meta = cpu_graph_cache.node_metadata(gm)
@@ -174,12 +192,31 @@ def start_inductor_compile(
         variant = ""
     key = cpu_graph_cache.graph_key(gm, node_meta, args, options, variant)
     tensor_inputs = all(isinstance(a, torch.Tensor) for a in args)
-    loaded = _load_indexed(key, args, spec, options)
-    if loaded is not None:
-        logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
-        fn, outputs, bind_checked = loaded
-        last_run = (inputs, outputs) if bind_next else None
-        return _Compiled(_FlatCall(fn, constants, spec, tensor_inputs, last_run, key, bind_checked))
+    entry = cpu_graph_cache.load(key, options)
+    if entry is not None:
+
+        def from_index() -> _FlatCall | None:
+            outputs = _run_indexed(key, entry.call, args, spec)
+            if outputs is None:
+                return None
+            logger.debug("graph of %d inputs: Inductor's module from an earlier compile", len(args))
+            last_run = (inputs, outputs) if bind_next else None
+            return _FlatCall(
+                entry.call, constants, spec, tensor_inputs, last_run, key, entry.bind_checked
+            )
+
+        if runs_later:
+
+            def finish_from_index() -> _FlatCall:
+                compiled = from_index()
+                if compiled is None:
+                    raise RuntimeError(f"compiled-graph entry {key} failed at its first run")
+                return compiled
+
+            return PendingCompile(finish_from_index)
+        compiled = from_index()
+        if compiled is not None:
+            return PendingCompile(lambda: compiled, done=True)
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing
@@ -212,6 +249,7 @@ def start_inductor_compile(
     # Not AOTAutograd's cache: a hit there skips inner_compile, and with it the direct
     # call of Inductor's function; the FX graph cache below it still spares the lowering.
     with (
+        graph_build_lock,
         torch.no_grad(),
         inductor_config.patch(options),
         functorch_config.patch(enable_autograd_cache=False),
@@ -247,20 +285,35 @@ def start_inductor_compile(
         logger.debug("Inductor's inner function not usable here; keeping AOTAutograd's wrapper")
         return lambda *xs: wrapped(*xs, *constants)
 
-    return finish
+    def wait_built() -> None:
+        if inner:
+            wait_for_build(getattr(inner[0], "current_callable", None))
+
+    return PendingCompile(finish, wait_built=wait_built)
 
 
-class _Compiled:
-    """What start_inductor_compile gives where there is nothing to wait for (a module
-    from the index): its function to call once, `done`."""
+class PendingCompile:
+    """What start_inductor_compile gives: `finish`, to call once, which waits for the
+    C++ build, runs the module over the compile's inputs and gives the callable; `done`
+    where there is nothing left to wait for or run (a module from the index, run
+    already); `wait_built()` waits for the build only (any thread)."""
 
-    done = True
+    def __init__(
+        self,
+        finish: Callable[[], Callable[..., object]],
+        done: bool = False,
+        wait_built: Callable[[], None] | None = None,
+    ) -> None:
+        self._finish = finish
+        self.done = done
+        self._wait_built = wait_built
 
-    def __init__(self, compiled: _FlatCall) -> None:
-        self._compiled = compiled
+    def __call__(self) -> Callable[..., object]:
+        return self._finish()
 
-    def __call__(self) -> _FlatCall:
-        return self._compiled
+    def wait_built(self) -> None:
+        if self._wait_built is not None:
+            self._wait_built()
 
 
 class _FlatCall:
@@ -356,16 +409,11 @@ def _unflatten(leaves: list, spec: pytree.TreeSpec) -> object:
     return pytree.tree_unflatten(leaves, spec)
 
 
-def _load_indexed(
-    key: str, args: list[torch.Tensor], spec: pytree.TreeSpec, options: dict[str, object]
-) -> tuple[Callable[[list], list], list, bool] | None:
-    """The module the index holds for `key`, its outputs once it has run over `args` and
-    returned what the graph returns, and whether its bound entry was checked; None (a
-    miss) where there is none or it fails."""
-    entry = cpu_graph_cache.load(key, options)
-    if entry is None:
-        return None
-    cached = entry.call
+def _run_indexed(
+    key: str, cached: Callable[[list], list], args: list[torch.Tensor], spec: pytree.TreeSpec
+) -> list | None:
+    """The outputs of the index's module for `key` once it has run over `args` and
+    returned what the graph returns; None (a miss: compile afresh) where it fails."""
     try:
         with torch.no_grad():
             got = cached(list(args))
@@ -373,7 +421,7 @@ def _load_indexed(
         logger.warning("compiled-graph entry %s failed (%s); compiling afresh", key, e)
         return None
     if isinstance(got, (list, tuple)) and len(got) == spec.num_leaves:
-        return cached, list(got), entry.bind_checked
+        return list(got)
     logger.warning("compiled-graph entry %s returned %s; compiling afresh", key, type(got))
     return None
 
@@ -448,7 +496,7 @@ class CpuGraph(DeviceGraph):
         self.graph_module = trace(fn, inputs, decompositions)
         # A compiled graph returns a list even for one tensor; give back what fn returns.
         self._single_output = _returns_one(self.graph_module)
-        self._pending: Callable[[], Callable[..., object]] | None = None
+        self._pending: PendingCompile | None = None
         # What a replay calls: the callable over the bound inputs, once finished.
         self._bound: Callable[[], object] = self._finish_then_run
         if use_inductor:
@@ -502,25 +550,38 @@ class DynamicRowsCpuGraph(DeviceGraph):
         use_inductor: bool,
         inductor_options: dict[str, object] | None = None,
         decompositions: dict | None = None,
+        runs_later: bool = False,
     ) -> None:
         super().__init__(name, inputs)
         self.rows = (fewest_rows, min(t.shape[0] for t in inputs))
         self.graph_module = trace_rows(fn, inputs, fewest_rows, decompositions)
         self._single_output = _returns_one(self.graph_module)
-        self._pending: Callable[[], Callable[..., object]] | None = None
+        self._pending: PendingCompile | None = None
         self._call: Callable[..., object] = self.graph_module
         if use_inductor:
             # Its C++ builds while the caller makes the next graph (finish waits).
             self._pending = start_inductor_compile(
-                self.graph_module, inputs, inductor_options, fewest_rows=fewest_rows
+                self.graph_module,
+                inputs,
+                inductor_options,
+                fewest_rows=fewest_rows,
+                runs_later=runs_later,
             )
+        elif runs_later:
+            self._pending = PendingCompile(lambda: self.graph_module)
         else:
             self._run()  # one run now, so a failure shows at start-up
 
+    def wait_built(self) -> None:
+        if self._pending is not None:
+            self._pending.wait_built()
+
     def finish(self) -> None:
         if self._pending is not None:
-            self._call = self._pending()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            self._call = pending()
+            if self._call is self.graph_module:  # not compiled: one run, as at start-up
+                self._run()
 
     def _run(self) -> Any:
         return self._run_rows(self.rows[1])

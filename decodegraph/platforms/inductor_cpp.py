@@ -156,6 +156,13 @@ def _module_entry(call: Callable[[list], list]) -> Callable[[Any], Any] | None:
     return entry.resolve() if isinstance(entry, _PendingEntry) else entry
 
 
+def wait_for_build(call: Callable[[list], list] | None) -> None:
+    """Wait for the C++ build of the module whose `call` this is, and load its library,
+    without calling it (any thread); nothing for any other function."""
+    if call is not None:
+        _module_entry(call)
+
+
 def bind_entry(
     call: Callable[[list], list], args: Sequence[torch.Tensor], num_outputs: int
 ) -> Callable[[], list] | None:

@@ -257,7 +257,16 @@ class ModelRunner:
         """One batch: its step, then the later steps of a multi-step batch, each feeding
         the tokens the step before sampled. `plan` is the driver's dispatch (runtime mode
         and padded key): every rank runs it, or refuses the step if its own graphs say
-        otherwise (no rank ever replays while another runs eager)."""
+        otherwise (no rank ever replays while another runs eager).
+
+        After the batch, where the dynamic decode graph made in the background is ready,
+        it is run once and serves from the next step (its output says so)."""
+        output = self._execute_batch(so, plan)
+        if self.graph_runner.finish_background_build(self._prepare_dummy):
+            output.dynamic_decode_rows = self.graph_runner.dynamic_rows
+        return output
+
+    def _execute_batch(self, so: SchedulerOutput, plan: StepPlan | None) -> ModelRunnerOutput:
         if so.num_steps > 1:
             output = self._execute_greedy_multi_step(so, plan)
             if output is not None:
@@ -269,6 +278,14 @@ class ModelRunner:
                 step_output, batch = self._execute_step(later, plan, batch)
                 output.later_steps.append(step_output)
         return output
+
+    @_in_inference_mode
+    def wait_for_background_graph(self) -> tuple[int, int] | None:
+        """Between steps: wait for the dynamic decode graph being made in the background,
+        where one is, and run it once; the rows it serves from now on, or None."""
+        if self.graph_runner.finish_background_build(self._prepare_dummy, wait=True):
+            return self.graph_runner.dynamic_rows
+        return None
 
     def _execute_greedy_multi_step(
         self, so: SchedulerOutput, plan: StepPlan | None

@@ -190,7 +190,12 @@ class Worker:
         out = self.runner.execute_model(so, plan)
         return out if self.rank == 0 else None
 
+    def wait_for_background_graph(self) -> tuple[int, int] | None:
+        return self.runner.wait_for_background_graph()
+
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.graph_runner is not None:
+            self.runner.graph_runner.close()
         if self.config.parallel_config.tensor_parallel_size > 1:
             from decodegraph.distributed.parallel_state import destroy_distributed_environment
 

@@ -387,3 +387,146 @@ def test_a_dynamic_decode_graph_asked_of_a_platform_without_one_is_refused_with_
         llm = _llm(stories_dir, "FULL_DECODE_ONLY", [1, 2, 4], dynamic=True, device=device)
     assert "compilation_config.dynamic_decode_graph" in caplog.text
     assert llm.llm_engine.runner.graph_runner.dynamic_key is None
+
+
+# ------------------------------------------------ the dynamic decode graph, in the background
+
+
+def _default_llm(stories_dir: Path, use_inductor: bool = True) -> LLM:
+    """Sizes [1, 2, 4], max_num_seqs 8, dynamic_decode_graph left unset (the default)."""
+    return LLM(
+        str(stories_dir),
+        compilation_config={
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": [1, 2, 4],
+            "use_inductor": use_inductor,
+        },
+        max_model_len=128,
+        max_num_seqs=8,
+    )
+
+
+def test_unset_the_dynamic_decode_graph_is_made_in_the_background_once_a_batch_needs_it(
+    stories_dir: Path, eager_llm: LLM
+) -> None:
+    """Nothing at start-up; the first batch of 5 to 8 requests sets it building on a thread
+    of its own while the steps go on eagerly; once made, the dispatcher sends those
+    batches to it. Ids equal the eager engine's before, during and after."""
+    llm = _default_llm(stories_dir)
+    core = llm.llm_engine.engine_core
+    graph_runner = llm.llm_engine.runner.graph_runner
+    stats = graph_runner.stats
+    assert stats.dynamic_decode_build == "not needed yet" and stats.num_graphs == 3
+    assert core.dispatcher.dynamic_decode_rows is None
+    assert graph_runner.dispatcher.dynamic_decode_rows is None
+    assert _greedy(llm, PROMPTS) == _greedy(eager_llm, PROMPTS)  # 3 requests: no need
+    assert stats.dynamic_decode_build == "not needed yet"
+
+    prompts = [[1, 20 + i, 30 + i] for i in range(8)]
+    params = [greedy(6 + 3 * i) for i in range(8)]
+    want = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert stats.dynamic_decode_build in ("building", "ready")
+    assert graph_runner.mode_counts[("decode", "NONE")] > 0  # eager until it was made
+    core.wait_for_background_graph()
+    assert stats.dynamic_decode_build == "ready" and stats.dynamic_decode_build_seconds > 0
+    assert core.dispatcher.dynamic_decode_rows == stats.dynamic_decode_rows == (5, 8)
+    assert stats.num_graphs == 4
+
+    eager_steps = graph_runner.mode_counts[("decode", "NONE")]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert graph_runner.mode_counts[("decode", "NONE")] == eager_steps
+    graph = graph_runner.graphs[(RuntimeMode.FULL, graph_runner.dynamic_key)]
+    assert graph.name == "FULL(rows 5-8)" and graph.num_replays > 0
+
+
+def test_the_background_build_writes_nothing_the_steps_use(stories_dir: Path) -> None:
+    """The thread traces and compiles only (a module from the compiled-graph index
+    included): the buffers a step wrote and the KV caches are as they were until the
+    engine's thread finishes the graph between steps."""
+    llm = _default_llm(stories_dir)
+    runner = llm.llm_engine.runner
+    graph_runner, buffers = runner.graph_runner, runner.buffers
+    buffers.input_ids.np[:] = 7
+    buffers.positions.np[:] = 3
+    slots = buffers.kv_groups[0].slot_mapping.np
+    slots[:] = np.arange(16, 16 + len(slots))  # live slots of block 1 on
+    before = [t.clone() for t in (buffers.input_ids.gpu, buffers.positions.gpu)]
+    caches = [t.clone() for pair in runner.attn_backend.kv_caches for t in pair]
+    graph_runner.dispatch(6, 6, True)  # a batch for the dynamic graph: the build starts
+    build = graph_runner._background
+    assert build is not None and build.thread is not None
+    build.thread.join()
+    assert build.error is None and build.graph is not None
+    assert torch.equal(buffers.input_ids.gpu, before[0])
+    assert torch.equal(buffers.positions.gpu, before[1])
+    assert (slots == np.arange(16, 16 + len(slots))).all()
+    after = [t for pair in runner.attn_backend.kv_caches for t in pair]
+    assert all(torch.equal(a, b) for a, b in zip(after, caches, strict=True))
+    assert graph_runner.finish_background_build(runner._prepare_dummy)
+    assert graph_runner.dispatcher.dynamic_decode_rows == (5, 8)
+
+
+def test_a_background_build_that_fails_leaves_those_batches_eager(
+    stories_dir: Path,
+    eager_llm: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from decodegraph.platforms.cpu import CpuPlatform
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the trace guarded on the row count")
+
+    monkeypatch.setattr(CpuPlatform, "make_dynamic_graph", fail)
+    llm = _default_llm(stories_dir, use_inductor=False)
+    prompts = [[1, 20 + i, 30 + i] for i in range(8)]
+    with caplog.at_level("WARNING", logger="decodegraph.graphs.graph_runner"):
+        assert _greedy(llm, prompts) == _greedy(eager_llm, prompts)
+        llm.llm_engine.engine_core.wait_for_background_graph()
+    assert "no dynamic decode graph for 5-8 requests" in caplog.text
+    assert "guarded on the row count" in caplog.text
+    stats = llm.llm_engine.runner.graph_runner.stats
+    assert stats.dynamic_decode_build == "failed" and stats.dynamic_decode_rows is None
+    assert llm.llm_engine.engine_core.dispatcher.dynamic_decode_rows is None
+    assert _greedy(llm, prompts) == _greedy(eager_llm, prompts)
+
+
+def test_closing_the_runner_stops_a_background_build(stories_dir: Path) -> None:
+    llm = _default_llm(stories_dir, use_inductor=False)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    graph_runner.dispatch(8, 8, True)
+    build = graph_runner._background
+    assert build is not None and build.thread is not None
+    graph_runner.close()
+    assert not build.thread.is_alive() and build.cancelled
+    assert graph_runner._background is None
+    assert not graph_runner.finish_background_build(llm.llm_engine.runner._prepare_dummy)
+    assert graph_runner.dispatcher.dynamic_decode_rows is None
+
+
+def test_unset_under_tensor_parallelism_there_is_no_dynamic_decode_graph(
+    stories_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank would have to switch to it in the same step: unset, a rank of two makes
+    none (true still makes it at start-up)."""
+    runner = _default_llm(stories_dir, use_inductor=False).llm_engine.runner
+    one = runner.graph_runner
+
+    def rank_of_two(dynamic: bool | None) -> GraphRunner:
+        config = runner.config
+        config.compilation_config.dynamic_decode_graph = dynamic
+        return GraphRunner(
+            config, one.platform, one.buffers, one.attn_groups, one._eager_context, 0, 2
+        )
+
+    with caplog.at_level("INFO", logger="decodegraph.graphs.graph_runner"):
+        unset = rank_of_two(None)
+        unset.resolve()
+    assert unset.dynamic_key is None and "under tensor parallelism" in caplog.text
+    asked = rank_of_two(True)
+    asked.resolve()
+    assert asked.dynamic_rows == (5, 8) and not asked.dynamic_in_background
+    assert asked.dispatcher.dynamic_decode_rows == (5, 8)

@@ -47,14 +47,17 @@ def test_compilation_config_parses_the_mode_case_insensitively() -> None:
     assert json_config.cudagraph_mode is CUDAGraphMode.PIECEWISE
 
 
-@pytest.mark.parametrize("value", [True, False])
-def test_compilation_config_takes_dynamic_decode_graph_as_a_bool(value: bool) -> None:
+@pytest.mark.parametrize("value", [True, False, None])
+def test_compilation_config_takes_dynamic_decode_graph_as_a_bool_or_unset(
+    value: bool | None,
+) -> None:
     config = CompilationConfig.from_any({"dynamic_decode_graph": value})
     assert config.dynamic_decode_graph is value
-    assert CompilationConfig().dynamic_decode_graph is False  # off unless asked for
+    # Unset by default: made in the background where one rank needs it.
+    assert CompilationConfig().dynamic_decode_graph is None
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, [True], None])
+@pytest.mark.parametrize("bad", ["yes", 1, [True], "null"])
 def test_compilation_config_names_a_bad_dynamic_decode_graph(bad: object) -> None:
     with pytest.raises(ValueError, match="compilation_config.dynamic_decode_graph"):
         CompilationConfig(dynamic_decode_graph=bad)
