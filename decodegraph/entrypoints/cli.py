@@ -99,6 +99,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dynamic_decode_line(report: dict) -> str:
+    """The `graphs` report's dynamic decode graph: the requests it serves, or those it
+    will once made in the background, or "-"."""
+    if report["dynamic_decode_rows"]:
+        return "{} to {} requests".format(*report["dynamic_decode_rows"])
+    if report["dynamic_decode_planned_rows"]:
+        return "{} to {} requests, made in the background when a batch first needs it ({})".format(
+            *report["dynamic_decode_planned_rows"], report["dynamic_decode_build"]
+        )
+    return "-"
+
+
 def _graphs(args: argparse.Namespace) -> int:
     with collector_paused():  # the engine and transformers' configurations (gc_utils)
         from decodegraph.engine.llm_engine import LLMEngine
@@ -119,12 +131,7 @@ def _graphs(args: argparse.Namespace) -> int:
         ("resolved mode", report["resolved_mode"]),
         ("why", "; ".join(report["resolution"]) or "as requested"),
         ("capture sizes", ", ".join(map(str, report["capture_sizes"])) or "-"),
-        (
-            "dynamic decode",
-            "{} to {} requests".format(*report["dynamic_decode_rows"])
-            if report["dynamic_decode_rows"]
-            else "-",
-        ),
+        ("dynamic decode", _dynamic_decode_line(report)),
         (
             "graphs",
             f"{report['num_graphs']}"
@@ -189,6 +196,9 @@ def graphs_report(engine: object) -> dict:
         "capture_sizes": engine.engine_core.dispatcher.capture_sizes,
         # Uniform decode batches of these many requests run the dynamic decode graph.
         "dynamic_decode_rows": engine.engine_core.dispatcher.dynamic_decode_rows,
+        # Where it is made in the background: its rows, and how its build stands.
+        "dynamic_decode_planned_rows": cs.dynamic_decode_planned_rows,
+        "dynamic_decode_build": cs.dynamic_decode_build,
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
         "keys": keys,

@@ -70,8 +70,9 @@ class CaptureStats:
     by_mode: dict[str, int] = field(default_factory=dict)
     # (fewest, most) rows of the dynamic decode graph, where one was made.
     dynamic_decode_rows: tuple[int, int] | None = None
-    # Where it is made on a thread of its own once a batch needs it: how it went
-    # ("not needed yet", "building", "ready", "failed") and its seconds to build.
+    # Where it is made on a thread of its own once a batch needs it: its rows, how it
+    # went ("not needed yet", "building", "ready", "failed") and its seconds to build.
+    dynamic_decode_planned_rows: tuple[int, int] | None = None
     dynamic_decode_build: str = ""
     dynamic_decode_build_seconds: float = 0.0
 
@@ -154,6 +155,7 @@ class GraphRunner:
         if self.dynamic_in_background:
             self.dispatcher.dynamic_decode_rows = None  # until the graph is made
             self.stats.dynamic_decode_build = "not needed yet"
+            self.stats.dynamic_decode_planned_rows = self.dynamic_rows
         self.graph_num_steps = self._graph_num_steps()
         return self.mode
 

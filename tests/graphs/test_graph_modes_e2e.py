@@ -587,6 +587,25 @@ def _graphs_cli(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def test_graphs_cli_says_the_default_dynamic_decode_graph_is_made_when_first_needed(
+    stories_dir: Path,
+) -> None:
+    from decodegraph.entrypoints.cli import _dynamic_decode_line
+
+    config = {"cudagraph_mode": "full_decode_only", "cudagraph_capture_sizes": [1, 2]}
+    config["use_inductor"] = False
+    report = _graphs_cli(
+        str(stories_dir), "--max-model-len", "64", "--compilation-config", json.dumps(config)
+    )
+    assert report["dynamic_decode_rows"] is None  # nothing needed it yet
+    assert report["dynamic_decode_planned_rows"] == [3, 256]
+    assert report["dynamic_decode_build"] == "not needed yet"
+    assert report["num_graphs"] == 2
+    assert _dynamic_decode_line(report) == (
+        "3 to 256 requests, made in the background when a batch first needs it (not needed yet)"
+    )
+
+
 def test_graphs_cli_prints_mode_sizes_count_time_and_memory(stories_dir: Path) -> None:
     config = {"cudagraph_mode": "full_and_piecewise", "cudagraph_capture_sizes": [1, 2]}
     config["use_inductor"] = False
@@ -599,6 +618,7 @@ def test_graphs_cli_prints_mode_sizes_count_time_and_memory(stories_dir: Path) -
     assert report["capture_sizes"] == [1, 2]
     # The default max_num_seqs is above the largest size: the dynamic decode graph's range.
     assert report["dynamic_decode_rows"] == [3, 256]
+    assert report["dynamic_decode_planned_rows"] is None  # made at start-up
     assert report["num_graphs"] == _expected_graphs("FULL_AND_PIECEWISE", 2, 5, dynamic=True)
     assert report["graphs_by_mode"] == {"FULL": 3, "PIECEWISE": 12}
     assert report["kv_cache_blocks"] > 0
