@@ -429,6 +429,7 @@ class GraphRunner:
         build = self._background
         assert build is not None and build.thread is None
         self.stats.dynamic_decode_build = "building"
+        self.platform.before_background_graph()  # here, on the thread that steps
 
         def make() -> None:
             start = time.perf_counter()
@@ -438,38 +439,36 @@ class GraphRunner:
                     torch.inference_mode(),
                     set_forward_context(build.context),
                 ):
-                    graph = self.platform.make_dynamic_graph(
-                        "FULL(rows {}-{})".format(*self.dynamic_rows),
-                        build.fn,
-                        self.graph_inputs(RuntimeMode.FULL, self.dynamic_key)[:2],
-                        self.dynamic_rows[0],
-                        self.compilation_config,
-                        runs_later=True,
-                    )
-                    if not build.cancelled:
+                    graph = self._make_dynamic_graph(build.fn, runs_later=True)  # logs a failure
+                    if graph is not None and not build.cancelled:
                         graph.wait_built()
                         build.graph = graph
-            except BaseException as e:  # noqa: BLE001 - reported by finish_background_build
+            except Exception as e:  # noqa: BLE001 - reported by finish_background_build
                 build.error = e
             build.seconds = time.perf_counter() - start
 
         build.thread = threading.Thread(target=make, name="decodegraph-dynamic-graph", daemon=True)
         build.thread.start()
 
-    def finish_background_build(self, prepare_dummy: PrepareDummy, wait: bool = False) -> bool:
-        """Between steps (the buffers free to write): where the dynamic decode graph made
-        in the background is ready (or, `wait`, once it is), run it once over a dummy
-        batch, as capture does, and let the dispatcher send its batches to it. True when
-        it did so now; a graph that failed is logged, and its batches stay eager."""
+    def join_background_build(self) -> None:
+        """Wait for a build in the background to end, where one runs."""
         build = self._background
-        if build is None or build.thread is None:
-            return False
-        if wait:
+        if build is not None and build.thread is not None:
             build.thread.join()
-        elif build.thread.is_alive():
+
+    def finish_background_build(self, prepare_dummy: PrepareDummy) -> bool:
+        """Between steps (the buffers free to write): where the dynamic decode graph made
+        in the background is ready, run it once over a dummy batch, as capture does, and
+        let the dispatcher send its batches to it. True when it did so now; a graph that
+        failed is logged, and its batches stay eager."""
+        build = self._background
+        if build is None or build.thread is None or build.thread.is_alive():
             return False
         self._background = None
         self.stats.dynamic_decode_build_seconds = build.seconds
+        if build.graph is None and build.error is None:  # its trace failed, and said why
+            self.stats.dynamic_decode_build = "failed"
+            return False
         try:
             if build.error is not None:
                 raise build.error

@@ -27,6 +27,12 @@ GraphFn = Callable[..., Any]
 # built on a thread of its own (graphs/graph_runner.py) while another engine in the same
 # process starts up.
 graph_build_lock = threading.RLock()
+# Held wherever a model's modules run or are traced. While make_fx traces, it patches
+# torch.nn.Module's __call__ and __getattr__ for the whole process, so a module called
+# on another thread meanwhile would go through the tracer: a trace holds this lock, and
+# so does each of an engine's steps (worker/model_runner.py). Taken after
+# graph_build_lock where a thread takes both.
+module_call_lock = threading.RLock()
 
 
 def trace(
@@ -45,7 +51,7 @@ def trace(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     fake_mode = FakeTensorMode(allow_fallback_kernels=True)
-    with graph_build_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
+    with graph_build_lock, module_call_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
         return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
 
 
@@ -77,7 +83,7 @@ def trace_rows(
         )
         for t in inputs
     ]
-    with graph_build_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
+    with graph_build_lock, module_call_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
         gm = make_fx(fn, decomposition_table=decompositions or {}, tracing_mode="symbolic")(*fakes)
     _check_rows_guards(fake_mode.shape_env, fakes, fewest_rows, min(t.shape[0] for t in inputs))
     return gm
@@ -291,6 +297,11 @@ class Platform:
         a thread of its own while steps run) nothing runs over the tensors `fn` reads
         until `finish`."""
         raise NotImplementedError(f"platform {self.name} has no graphs of dynamic rows")
+
+    def before_background_graph(self) -> None:
+        """On the thread that steps, before a dynamic graph is made on another: whatever
+        making it would otherwise do to the whole process that a step must not meet (see
+        module_call_lock)."""
 
     def make_piece(
         self,

@@ -20,6 +20,7 @@ from decodegraph.platforms.cpu_graph import (
     DynamicRowsCpuGraph,
     compile_with_inductor,
     start_vector_isa_probe,
+    warm_process_wide_traces,
 )
 
 if TYPE_CHECKING:
@@ -180,6 +181,9 @@ class CpuPlatform(Platform):
             self.graph_decompositions(),
             runs_later,
         )
+
+    def before_background_graph(self) -> None:
+        warm_process_wide_traces()
 
     def make_piece(
         self,

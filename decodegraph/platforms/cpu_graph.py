@@ -107,6 +107,20 @@ def _wait_for_isa_probe() -> None:
         _isa_probe.join()
 
 
+def warm_process_wide_traces() -> None:
+    """Make, now, what Inductor traces with torch.fx's own tracer the first time it lowers
+    a graph in a process (a module of one identity node): that tracer patches
+    torch.nn.Module's __call__ for the whole process, and a step on another thread would
+    then call its modules through it (platforms/base.py: module_call_lock). Call it on
+    the thread that steps, before a compile on another thread."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()  # cached for the process
+    except (ImportError, AttributeError):  # another Inductor: nothing known to warm
+        pass
+
+
 def compile_with_inductor(
     gm: torch.fx.GraphModule,
     inputs: Sequence[torch.Tensor],

@@ -38,7 +38,7 @@ from decodegraph.graphs.graph_runner import CaptureStats, GraphRunner
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode
 from decodegraph.models.llama import get_head_dim, get_num_heads_per_rank
 from decodegraph.models.loader import get_model
-from decodegraph.platforms.base import Platform
+from decodegraph.platforms.base import Platform, graph_build_lock, module_call_lock
 from decodegraph.structured_output.manager import StructuredOutputManager
 from decodegraph.worker import prompt_logprobs
 from decodegraph.worker.attention_groups import AttentionGroups, build_attention_groups
@@ -180,16 +180,17 @@ class ModelRunner:
 
         Its batch has no requests, so it attends nothing and writes no KV cache.
         """
-        n = self.platform.profile_num_tokens(self.max_num_tokens)
-        self.platform.reset_peak_memory()
-        before = self.platform.memory_allocated()
-        self._set_eager_metadata(InputBatch.make_dummy(0, n, False, self.buffers))
-        with set_forward_context(self._eager_context):
-            hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
-            self.model.compute_logits(hidden[: self.max_num_reqs])
-        self.platform.synchronize()
-        # Activation peak of the largest batch; graphs keep their own pool of about this.
-        self.profile_peak_bytes = max(0, self.platform.peak_memory_allocated() - before)
+        with module_call_lock:  # no trace elsewhere in the process meanwhile
+            n = self.platform.profile_num_tokens(self.max_num_tokens)
+            self.platform.reset_peak_memory()
+            before = self.platform.memory_allocated()
+            self._set_eager_metadata(InputBatch.make_dummy(0, n, False, self.buffers))
+            with set_forward_context(self._eager_context):
+                hidden = self.model(self.buffers.input_ids.gpu[:n], self.buffers.positions.gpu[:n])
+                self.model.compute_logits(hidden[: self.max_num_reqs])
+            self.platform.synchronize()
+            # Activation peak of the largest batch; graphs keep their own pool of about this.
+            self.profile_peak_bytes = max(0, self.platform.peak_memory_allocated() - before)
 
     def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
         """K and V caches of `num_blocks` blocks for every layer of each KV cache group
@@ -215,8 +216,10 @@ class ModelRunner:
         return self.graph_runner.resolve()
 
     def capture_graphs(self) -> CaptureStats:
-        """Capture every graph the dispatcher can ask for; then close capture."""
-        return self.graph_runner.capture_all(self.model, self._prepare_dummy)
+        """Capture every graph the dispatcher can ask for; then close capture (no other
+        trace, compile or step in the process meanwhile: platforms/base.py)."""
+        with graph_build_lock, module_call_lock:
+            return self.graph_runner.capture_all(self.model, self._prepare_dummy)
 
     def _prepare_dummy(
         self, mode: RuntimeMode, key: BatchDescriptor
@@ -260,10 +263,13 @@ class ModelRunner:
         otherwise (no rank ever replays while another runs eager).
 
         After the batch, where the dynamic decode graph made in the background is ready,
-        it is run once and serves from the next step (its output says so)."""
-        output = self._execute_batch(so, plan)
-        if self.graph_runner.finish_background_build(self._prepare_dummy):
-            output.dynamic_decode_rows = self.graph_runner.dynamic_rows
+        it is run once and serves from the next step (its output says so). Its modules
+        run with no trace anywhere in the process (platforms/base.py: module_call_lock:
+        a step waits while the dynamic decode graph is traced, not while it compiles)."""
+        with module_call_lock:
+            output = self._execute_batch(so, plan)
+            if self.graph_runner.finish_background_build(self._prepare_dummy):
+                output.dynamic_decode_rows = self.graph_runner.dynamic_rows
         return output
 
     def _execute_batch(self, so: SchedulerOutput, plan: StepPlan | None) -> ModelRunnerOutput:
@@ -283,8 +289,10 @@ class ModelRunner:
     def wait_for_background_graph(self) -> tuple[int, int] | None:
         """Between steps: wait for the dynamic decode graph being made in the background,
         where one is, and run it once; the rows it serves from now on, or None."""
-        if self.graph_runner.finish_background_build(self._prepare_dummy, wait=True):
-            return self.graph_runner.dynamic_rows
+        self.graph_runner.join_background_build()  # holding no lock its trace needs
+        with module_call_lock:
+            if self.graph_runner.finish_background_build(self._prepare_dummy):
+                return self.graph_runner.dynamic_rows
         return None
 
     def _execute_greedy_multi_step(

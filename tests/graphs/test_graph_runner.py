@@ -442,6 +442,45 @@ def test_unset_the_dynamic_decode_graph_is_made_in_the_background_once_a_batch_n
     assert graph.name == "FULL(rows 5-8)" and graph.num_replays > 0
 
 
+def test_the_engine_steps_while_the_dynamic_decode_graph_is_traced_and_compiled(
+    stories_dir: Path, eager_llm: LLM
+) -> None:
+    """While make_fx traces, torch.nn.Module.__call__ is patched for the whole process: a
+    step waits for the trace (platforms/base.py: module_call_lock), then runs eagerly
+    beside the compile, with eager ids."""
+    llm = _default_llm(stories_dir)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    prompts = [[1, 40 + i, 50 + i] for i in range(8)]
+    want = _greedy(eager_llm, prompts)
+    graph_runner.dispatch(8, 8, True)  # the build starts now, and steps follow at once
+    build = graph_runner._background
+    assert build is not None and build.thread is not None
+    rounds = 0
+    while build.thread.is_alive() and rounds < 100:
+        assert _greedy(llm, prompts) == want
+        rounds += 1
+    assert rounds > 0
+    llm.llm_engine.engine_core.wait_for_background_graph()
+    assert graph_runner.stats.dynamic_decode_build == "ready"
+    assert _greedy(llm, prompts) == want
+
+
+def test_inductors_own_fx_trace_is_made_on_the_stepping_thread_before_a_build(
+    stories_dir: Path,
+) -> None:
+    """Inductor's first lowering in a process traces a one-node module with torch.fx's own
+    tracer, which patches torch.nn.Module.__call__ for the whole process: a step beside it
+    would call its modules through that tracer. The engine's thread makes it first."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    llm = _default_llm(stories_dir, use_inductor=False)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    InterpreterShim._dummy_gm.cache_clear()
+    graph_runner.dispatch(8, 8, True)
+    assert InterpreterShim._dummy_gm.cache_info().currsize == 1
+    graph_runner.close()
+
+
 def test_the_background_build_writes_nothing_the_steps_use(stories_dir: Path) -> None:
     """The thread traces and compiles only (a module from the compiled-graph index
     included): the buffers a step wrote and the KV caches are as they were until the
