@@ -162,7 +162,10 @@ def test_graphs_prints_a_readable_table_with_the_reason_of_a_downgrade(
     assert lines["resolved mode"] == "FULL_AND_PIECEWISE"
     assert "attention support is UNIFORM_SINGLE_TOKEN_DECODE" in lines["why"]
     assert lines["capture sizes"] == "1, 2"
-    assert lines["dynamic decode"] == "-"  # off unless asked for
+    # Unset: made in the background once a batch needs it (none did here).
+    assert lines["dynamic decode"] == (
+        "3 to 256 requests, made in the background when a batch first needs it (not needed yet)"
+    )
     assert lines["graphs"] == "14, FULL: 2, PIECEWISE: 12"
     assert lines["capture"].endswith("MiB") and lines["start-up"].startswith("load ")
     assert "FULL          decode" in out and "PIECEWISE     mixed" in out
