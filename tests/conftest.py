@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,20 @@ STORIES_GREEDY_TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in "
     "the park. One day, she saw a big, red ball. She wanted to play with it, but it was too high."
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_background_build_outlives_its_test() -> Iterator[None]:
+    """A dynamic decode graph that a test's engine set building in the background is made
+    before the next test starts: a test's engine is rarely shut down, and the build's
+    thread would otherwise run on beside later tests (their timings, the collector's
+    counts)."""
+    from decodegraph.graphs.graph_runner import BACKGROUND_BUILD_THREAD
+
+    yield
+    for thread in threading.enumerate():
+        if thread.name == BACKGROUND_BUILD_THREAD:
+            thread.join()
 
 
 @pytest.fixture(scope="session")

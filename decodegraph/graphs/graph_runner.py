@@ -58,6 +58,10 @@ GraphKey = tuple[RuntimeMode, BatchDescriptor]
 PrepareDummy = Callable[[RuntimeMode, BatchDescriptor], dict[str, AttentionMetadata]]
 
 
+# The name of the thread a dynamic decode graph is made on in the background.
+BACKGROUND_BUILD_THREAD = "decodegraph-dynamic-graph"
+
+
 class CaptureClosedError(RuntimeError):
     """A graph capture was attempted after start-up."""
 
@@ -447,7 +451,7 @@ class GraphRunner:
                 build.error = e
             build.seconds = time.perf_counter() - start
 
-        build.thread = threading.Thread(target=make, name="decodegraph-dynamic-graph", daemon=True)
+        build.thread = threading.Thread(target=make, name=BACKGROUND_BUILD_THREAD, daemon=True)
         build.thread.start()
 
     def join_background_build(self) -> None:
