@@ -102,10 +102,14 @@ class CudagraphDispatcher:
 
     def covers_dynamic(self, num_reqs: int) -> bool:
         """Whether a uniform decode batch of `num_reqs` runs the dynamic decode graph."""
-        rows = self.dynamic_decode_rows
-        return rows is not None and rows[0] <= num_reqs <= rows[1]
+        return in_rows(self.dynamic_decode_rows, num_reqs)
 
     def all_keys(self) -> list[tuple[RuntimeMode, BatchDescriptor]]:
         """Every (mode, key) to capture, largest first (later graphs reuse the pool)."""
         pairs = [(m, k) for m, ks in self.keys.items() for k in ks]
         return sorted(pairs, key=lambda p: (-p[1].num_tokens, p[0].value))
+
+
+def in_rows(rows: tuple[int, int] | None, num_reqs: int) -> bool:
+    """Whether `num_reqs` lies in the (fewest, most) range `rows` (None: no range)."""
+    return rows is not None and rows[0] <= num_reqs <= rows[1]

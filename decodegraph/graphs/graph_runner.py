@@ -40,7 +40,7 @@ from decodegraph.forward_context import (
     set_forward_context,
 )
 from decodegraph.gc_utils import frozen_heap
-from decodegraph.graphs.dispatcher import CudagraphDispatcher, StepPlan, StepPlanError
+from decodegraph.graphs.dispatcher import CudagraphDispatcher, StepPlan, StepPlanError, in_rows
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
 from decodegraph.graphs.multi_step import multi_step_forward
 from decodegraph.graphs.piecewise import PiecewiseGraph
@@ -470,19 +470,18 @@ class GraphRunner:
             return False
         self._background = None
         self.stats.dynamic_decode_build_seconds = build.seconds
-        if build.graph is None and build.error is None:  # its trace failed, and said why
+        error = build.error
+        if build.graph is not None and error is None:
+            try:
+                prepare_dummy(RuntimeMode.FULL, self.dynamic_key)
+                with torch.inference_mode(), set_forward_context(build.context):
+                    build.graph.finish()
+            except Exception as e:  # noqa: BLE001 - any failure: run those batches eagerly
+                error = e
+        if build.graph is None or error is not None:
             self.stats.dynamic_decode_build = "failed"
-            return False
-        try:
-            if build.error is not None:
-                raise build.error
-            assert build.graph is not None
-            prepare_dummy(RuntimeMode.FULL, self.dynamic_key)
-            with torch.inference_mode(), set_forward_context(build.context):
-                build.graph.finish()
-        except Exception as e:  # noqa: BLE001 - any failure: run those batches eagerly
-            self.stats.dynamic_decode_build = "failed"
-            self._no_dynamic_graph(e)
+            if error is not None:  # (a failed trace has said why already)
+                self._no_dynamic_graph(error)
             return False
         self._add(RuntimeMode.FULL, self.dynamic_key, build.graph, build.params_id, 1)
         self.dispatcher.dynamic_decode_rows = self.stats.dynamic_decode_rows = self.dynamic_rows
@@ -554,8 +553,7 @@ class GraphRunner:
             build is not None
             and build.thread is None
             and uniform
-            and self.dynamic_rows is not None
-            and self.dynamic_rows[0] <= num_reqs <= self.dynamic_rows[1]
+            and in_rows(self.dynamic_rows, num_reqs)
         ):
             self._start_background_build()  # the first batch for the dynamic graph
         if plan is not None and self.world_size == 1:

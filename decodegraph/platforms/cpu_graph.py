@@ -522,7 +522,7 @@ class CpuGraph(DeviceGraph):
             )
             # A module from the index has run over the inputs already: bound now, its
             # check reuses that run (before the next graph's dummy batch overwrites them).
-            if not defer or getattr(self._pending, "done", False):
+            if not defer or self._pending.done:
                 self.finish()
         else:
             self._bound = functools.partial(self.graph_module, *self.inputs)
@@ -582,7 +582,7 @@ class DynamicRowsCpuGraph(DeviceGraph):
                 runs_later=runs_later,
             )
         elif runs_later:
-            self._pending = PendingCompile(lambda: self.graph_module)
+            self._pending = PendingCompile(self._first_run)
         else:
             self._run()  # one run now, so a failure shows at start-up
 
@@ -594,8 +594,11 @@ class DynamicRowsCpuGraph(DeviceGraph):
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._call = pending()
-            if self._call is self.graph_module:  # not compiled: one run, as at start-up
-                self._run()
+
+    def _first_run(self) -> Callable[..., object]:
+        """The traced graph, not compiled, after one run (put off until finish)."""
+        self._run()
+        return self.graph_module
 
     def _run(self) -> Any:
         return self._run_rows(self.rows[1])
