@@ -17,6 +17,10 @@ from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.worker.input_buffers import BlockTable, InputBuffers
 from decodegraph.worker.request_state import CachedRequestState
 
+# From this many decode rows on, a step gathers their values in lists and writes each
+# array once (_write_decode_rows); below it, a value at a time is quicker.
+_DECODE_ROWS_AS_LISTS = 8
+
 
 @dataclass(slots=True)
 class InputBatch:
@@ -117,7 +121,7 @@ class InputBatch:
         device), padded as the dispatcher's `runtime_mode` and `key` say. Request `i`
         computes `num_scheduled_tokens[i]` tokens from its `num_computed_tokens` on, which
         this advances past them."""
-        b, bs = buffers, buffers.block_size
+        b = buffers
         counts = num_scheduled_tokens
         num_reqs, num_tokens = len(states), sum(counts)
         uniform = num_tokens == num_reqs
@@ -131,44 +135,18 @@ class InputBatch:
         else:
             padded_reqs = num_reqs
         b.wait_for_copies()
-        kv_groups = b.kv_groups
-        first_group = kv_groups[0]
-        ids, pos, slots = b.input_ids.np, b.positions.np, first_group.slot_mapping.np
-        write_row = first_group.write_row
         seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
-        seq_lens_cpu: list[int] = []
-        sample_rows: list[int] = []
-        start = 0
-        for i, (state, n) in enumerate(zip(states, counts, strict=True)):
-            first = state.num_computed_tokens
-            end = first + n
-            block_ids = state.block_ids[0]
-            tokens = state.all_token_ids
-            if n == 1:
-                ids[start] = tokens[first]
-                pos[start] = first
-                slots[start] = block_ids[first // bs] * bs + first % bs
-            else:
-                p = np.arange(first, end)
-                ids[start : start + n] = tokens[first:end]
-                pos[start : start + n] = p
-                slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
-            state.num_computed_tokens = end  # this step computes them
-            seq_lens[i] = end
-            seq_lens_cpu.append(end)
-            write_row(i, block_ids)
-            start += n
-            qsl[i + 1] = start
-            logits_idx[i] = start - 1
-            if end == len(tokens):
-                sample_rows.append(i)
-        if len(kv_groups) > 1:  # the other KV cache groups' tables
-            for g in range(1, len(kv_groups)):
-                _write_group(kv_groups[g], g, states, counts, bs)
+        if uniform and num_reqs >= _DECODE_ROWS_AS_LISTS:
+            # Every request decodes one token, and enough of them to gather first.
+            seq_lens_cpu, sample_rows = _write_decode_rows(b, states, write_tables=True)
+            qsl[1 : num_reqs + 1] = b.arange[1 : num_reqs + 1]
+            logits_idx[:num_reqs] = b.arange[:num_reqs]
+        else:
+            seq_lens_cpu, sample_rows = _write_rows(b, states, counts)
         # Padding (docs/design.md §5) and stale tails.
         if padded_tokens > num_tokens:
-            ids[num_tokens:padded_tokens] = 0
-            pos[num_tokens:padded_tokens] = 0
+            b.input_ids.np[num_tokens:padded_tokens] = 0
+            b.positions.np[num_tokens:padded_tokens] = 0
             for table in b.kv_groups:
                 table.slot_mapping.np[num_tokens:padded_tokens] = -1
         if padded_reqs > num_reqs:
@@ -200,20 +178,9 @@ class InputBatch:
         each request computing the one token it sampled last step. Only what moves is
         written (token ids, positions, slots, context lengths): the block-table rows
         already hold every step's blocks, and the padding stays."""
-        b, bs = buffers, buffers.block_size
+        b = buffers
         b.wait_for_copies()
-        ids, pos, seq_lens = b.input_ids.np, b.positions.np, b.seq_lens.np
-        slot_arrays = [table.slot_mapping.np for table in b.kv_groups]
-        seq_lens_cpu: list[int] = []
-        for i, state in enumerate(states):
-            first = state.num_computed_tokens
-            ids[i] = state.all_token_ids[first]
-            pos[i] = first
-            for slots, block_ids in zip(slot_arrays, state.block_ids, strict=True):
-                slots[i] = block_ids[first // bs] * bs + first % bs
-            state.num_computed_tokens = first + 1  # this step computes it
-            seq_lens[i] = first + 1
-            seq_lens_cpu.append(first + 1)
+        seq_lens_cpu, _ = _write_decode_rows(b, states, write_tables=False)
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
         return InputBatch(
             self.req_ids,
@@ -246,6 +213,95 @@ class InputBatch:
         md.query_start_loc_cpu = self.query_start_loc_cpu
         md.seq_lens_cpu = self.seq_lens_cpu
         return md
+
+
+def _write_rows(
+    b: InputBuffers, states: list[CachedRequestState], counts: list[int]
+) -> tuple[list[int], list[int]]:
+    """Any batch's token rows, context lengths, query starts, logits rows and block-table
+    rows (`counts[i]` tokens of request `i` from its computed ones on, which this advances
+    past them): the batch's context lengths, and the rows that sample."""
+    bs, kv_groups = b.block_size, b.kv_groups
+    first_group = kv_groups[0]
+    ids, pos, slots = b.input_ids.np, b.positions.np, first_group.slot_mapping.np
+    write_row = first_group.write_row
+    seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
+    seq_lens_cpu: list[int] = []
+    sample_rows: list[int] = []
+    start = 0
+    for i, (state, n) in enumerate(zip(states, counts, strict=True)):
+        first = state.num_computed_tokens
+        end = first + n
+        block_ids = state.block_ids[0]
+        tokens = state.all_token_ids
+        if n == 1:
+            ids[start] = tokens[first]
+            pos[start] = first
+            slots[start] = block_ids[first // bs] * bs + first % bs
+        else:
+            p = np.arange(first, end)
+            ids[start : start + n] = tokens[first:end]
+            pos[start : start + n] = p
+            slots[start : start + n] = np.asarray(block_ids)[p // bs] * bs + p % bs
+        state.num_computed_tokens = end  # this step computes them
+        seq_lens[i] = end
+        seq_lens_cpu.append(end)
+        write_row(i, block_ids)
+        start += n
+        qsl[i + 1] = start
+        logits_idx[i] = start - 1
+        if end == len(tokens):
+            sample_rows.append(i)
+    for g in range(1, len(kv_groups)):  # the other KV cache groups' tables
+        _write_group(kv_groups[g], g, states, counts, bs)
+    return seq_lens_cpu, sample_rows
+
+
+def _write_decode_rows(
+    b: InputBuffers, states: list[CachedRequestState], write_tables: bool
+) -> tuple[list[int], list[int]]:
+    """_write_rows where every request computes one token: its token id, position, slot
+    and context length gathered in lists, each array written once (a numpy scalar store
+    per value cost more than the rest of a row); the block-table rows too where
+    `write_tables` (a multi-step batch's later steps keep them). Query starts and logits
+    rows are the caller's."""
+    bs, n = b.block_size, len(states)
+    first_group = b.kv_groups[0]
+    owners, lengths, write_row = (
+        first_group.row_owner,
+        first_group.row_blocks,
+        first_group.write_row,
+    )
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sample_rows: list[int] = []
+    for i, state in enumerate(states):
+        first = state.num_computed_tokens
+        tokens = state.all_token_ids
+        block_ids = state.block_ids[0]
+        token_ids.append(tokens[first])
+        positions.append(first)
+        slots.append(block_ids[first // bs] * bs + first % bs)
+        state.num_computed_tokens = first + 1  # this step computes it
+        if write_tables and (owners[i] is not block_ids or lengths[i] != len(block_ids)):
+            write_row(i, block_ids)
+        if first + 1 == len(tokens):
+            sample_rows.append(i)
+    b.input_ids.np[:n] = token_ids
+    b.positions.np[:n] = positions
+    first_group.slot_mapping.np[:n] = slots
+    seq_lens_cpu = [p + 1 for p in positions]
+    b.seq_lens.np[:n] = seq_lens_cpu
+    for g in range(1, len(b.kv_groups)):  # the other KV cache groups' tables
+        table = b.kv_groups[g]
+        table.slot_mapping.np[:n] = [
+            s.block_ids[g][p // bs] * bs + p % bs for s, p in zip(states, positions, strict=True)
+        ]
+        if write_tables:
+            for i, state in enumerate(states):
+                table.write_row(i, state.block_ids[g])
+    return seq_lens_cpu, sample_rows
 
 
 def _write_group(

@@ -49,12 +49,13 @@ class BlockTable:
         # object, not the request id: an id may come back in a later request (a finished
         # one's, reused) and a preempted request resumes with a new list, so either
         # rewrites its row.
-        self.row_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # (Python lists: a step reads them per row, where a numpy scalar costs more.)
+        self.row_blocks: list[int] = [0] * max_num_reqs
         self.row_owner: list[list[int] | None] = [None] * max_num_reqs
 
     def write_row(self, row: int, block_ids: list[int]) -> None:
         n = len(block_ids)
-        prev = int(self.row_blocks[row])
+        prev = self.row_blocks[row]
         if self.row_owner[row] is block_ids and prev == n:
             return  # a running request's blocks only grow at the tail: nothing changed
         bt = self.block_table.np
@@ -65,10 +66,9 @@ class BlockTable:
         self.row_owner[row] = block_ids
 
     def clear_rows(self, start: int, end: int) -> None:
-        stale = self.row_blocks[start:end]
-        if stale.any():
+        if any(self.row_blocks[start:end]):
             self.block_table.np[start:end] = 0
-            stale[:] = 0
+            self.row_blocks[start:end] = [0] * (end - start)
         self.row_owner[start:end] = [None] * (end - start)
 
 
@@ -96,6 +96,8 @@ class InputBuffers:
         self.seq_lens = PersistentBuffer((max_num_reqs,), torch.int32, device, 0)
         self.query_start_loc = PersistentBuffer((max_num_reqs + 1,), torch.int32, device, 0)
         self.logits_indices = PersistentBuffer((max_num_reqs,), torch.int64, device, 0)
+        # 0, 1, 2, ...: a decode batch's query starts and logits rows, copied from here.
+        self.arange = np.arange(max_num_reqs + 1, dtype=np.int64)
         self.kv_groups = [
             BlockTable(max_num_tokens, max_num_reqs, max_blocks_per_seq, device)
             for _ in range(num_kv_groups)

@@ -78,6 +78,67 @@ def test_a_request_that_moved_rows_gets_its_block_row_rewritten() -> None:
     assert b.block_tables.np[0, :2].tolist() == [2, 3]
 
 
+def test_a_large_decode_batch_writes_every_row_and_group() -> None:
+    """Enough decode rows to be gathered in lists first (input_batch's
+    _DECODE_ROWS_AS_LISTS), over two KV cache groups: each row's token, position, slot in
+    each group, context length, query start and logits row, and every block-table row;
+    the next step, after rows moved and one request gained a block, rewrites exactly those
+    rows."""
+    n = 10
+    b = InputBuffers(16, 12, 8, BS, torch.device("cpu"), num_kv_groups=2)
+
+    def state(i: int, computed: int) -> CachedRequestState:
+        tokens = [100 + i * 10 + t for t in range(computed + 1)]
+        blocks = [1 + 3 * i + k for k in range(computed // BS + 1)]
+        s = _state(f"r{i}", tokens, computed, blocks)
+        s.block_ids = (blocks, [200 + b for b in blocks])
+        return s
+
+    def expect(states: list[CachedRequestState], firsts: list[int]) -> None:
+        assert b.input_ids.np[:n].tolist() == [
+            s.all_token_ids[f] for s, f in zip(states, firsts, strict=True)
+        ]
+        assert b.positions.np[:n].tolist() == firsts
+        for g in range(2):
+            want = [
+                s.block_ids[g][f // BS] * BS + f % BS for s, f in zip(states, firsts, strict=True)
+            ]
+            assert b.kv_groups[g].slot_mapping.np[:n].tolist() == want
+            for row, s in enumerate(states):
+                ids = s.block_ids[g]
+                assert b.kv_groups[g].block_table.np[row, : len(ids)].tolist() == ids
+                assert not b.kv_groups[g].block_table.np[row, len(ids) :].any()
+        assert b.seq_lens.np[:n].tolist() == [f + 1 for f in firsts]
+        assert b.query_start_loc.np[: n + 1].tolist() == list(range(n + 1))
+        assert b.logits_indices.np[:n].tolist() == list(range(n))
+
+    states = [state(i, 2 + i) for i in range(n)]
+    key = BatchDescriptor(n, n, True)
+    batch = InputBatch.prepare(
+        [s.req_id for s in states], states, [1] * n, RuntimeMode.NONE, key, b
+    )
+    expect(states, [2 + i for i in range(n)])
+    assert batch.seq_lens_cpu == [3 + i for i in range(n)] and batch.max_seq_len == n + 2
+    assert batch.sample_rows == list(range(n))
+    assert batch.query_start_loc_cpu == list(range(n + 1))
+    # The next step: rows 0 and 1 swap places; the requests whose next position starts
+    # a block (requests 1, 5 and 9: positions 4, 8 and 12) gained one in each group.
+    states[0], states[1] = states[1], states[0]
+    grown = []
+    for s in states:
+        s.all_token_ids.append(7)
+        if s.num_computed_tokens % BS == 0:
+            s.block_ids[0].append(90 + len(grown))
+            s.block_ids[1].append(290 + len(grown))
+            grown.append(s.req_id)
+    assert grown == ["r1", "r5", "r9"]
+    batch = InputBatch.prepare(
+        [s.req_id for s in states], states, [1] * n, RuntimeMode.NONE, key, b
+    )
+    expect(states, [4, 3] + [3 + i for i in range(2, n)])
+    assert b.slot_mapping.np[0] == 90 * BS and b.kv_groups[1].slot_mapping.np[5] == 291 * BS
+
+
 def test_advance_writes_what_prepare_writes_for_the_next_decode_step() -> None:
     """A multi-step batch's later step (InputBatch.advance) leaves the buffers and host
     values as a fresh prepare() of that step would, across a block boundary and with a
