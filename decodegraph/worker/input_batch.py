@@ -180,7 +180,10 @@ class InputBatch:
         already hold every step's blocks, and the padding stays."""
         b = buffers
         b.wait_for_copies()
-        seq_lens_cpu, _ = _write_decode_rows(b, states, write_tables=False)
+        if self.num_reqs >= _DECODE_ROWS_AS_LISTS:
+            seq_lens_cpu, _ = _write_decode_rows(b, states, write_tables=False)
+        else:  # (its block-table rows are unchanged: rewriting them is skipped)
+            seq_lens_cpu, _ = _write_rows(b, states, [1] * self.num_reqs)
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
         return InputBatch(
             self.req_ids,

@@ -139,36 +139,45 @@ def test_a_large_decode_batch_writes_every_row_and_group() -> None:
     assert b.slot_mapping.np[0] == 90 * BS and b.kv_groups[1].slot_mapping.np[5] == 291 * BS
 
 
-def test_advance_writes_what_prepare_writes_for_the_next_decode_step() -> None:
+@pytest.mark.parametrize("extra", [0, 8], ids=["2 rows", "10 rows"])
+def test_advance_writes_what_prepare_writes_for_the_next_decode_step(extra: int) -> None:
     """A multi-step batch's later step (InputBatch.advance) leaves the buffers and host
     values as a fresh prepare() of that step would, across a block boundary and with a
-    padded uniform key; the states advance alike."""
+    padded uniform key; the states advance alike. With 10 rows, written from lists."""
 
     def decode_states() -> list[CachedRequestState]:
         # Positions 3 and 7 now: the next step's tokens start blocks 2 and 5 (4 slots
-        # each), which the first step's delta brought.
-        return [_state("a", [1, 2, 3, 4], 3, [1, 2]), _state("b", list(range(8)), 7, [3, 4, 5])]
+        # each), which the first step's delta brought. The extra rows stay in a block.
+        return [
+            _state("a", [1, 2, 3, 4], 3, [1, 2]),
+            _state("b", list(range(8)), 7, [3, 4, 5]),
+            *(_state(f"x{i}", [20 + i] * 5, 4, [10 + i, 30 + i]) for i in range(extra)),
+        ]
 
-    key = BatchDescriptor(4, 4, True)
-    advanced, fresh = _buffers(), _buffers()
+    n = 2 + extra
+    key = BatchDescriptor(n + 2, n + 2, True)
+    advanced, fresh = _buffers(n + 2, n + 2), _buffers(n + 2, n + 2)
     states = decode_states()
-    first = InputBatch.prepare(["a", "b"], states, [1, 1], RuntimeMode.FULL, key, advanced)
-    for s, token in zip(states, (9, 8), strict=True):
+    ids = [s.req_id for s in states]
+    tokens = [9, 8] + [40 + i for i in range(extra)]
+    first = InputBatch.prepare(ids, states, [1] * n, RuntimeMode.FULL, key, advanced)
+    for s, token in zip(states, tokens, strict=True):
         s.append_output_token(token)
     batch = first.advance(states, advanced)
     again = decode_states()
-    for s, token in zip(again, (9, 8), strict=True):
+    for s, token in zip(again, tokens, strict=True):
         s.num_computed_tokens += 1
         s.append_output_token(token)
-    want = InputBatch.prepare(["a", "b"], again, [1, 1], RuntimeMode.FULL, key, fresh)
+    want = InputBatch.prepare(ids, again, [1] * n, RuntimeMode.FULL, key, fresh)
     assert batch == want
     assert [s.num_computed_tokens for s in states] == [s.num_computed_tokens for s in again]
     for name in ("input_ids", "positions", "seq_lens", "query_start_loc", "logits_indices"):
         assert getattr(advanced, name).np.tolist() == getattr(fresh, name).np.tolist(), name
     assert advanced.slot_mapping.np.tolist() == fresh.slot_mapping.np.tolist()
     assert advanced.block_tables.np.tolist() == fresh.block_tables.np.tolist()
-    assert advanced.input_ids.np[:2].tolist() == [9, 8]  # the tokens sampled last step
+    assert advanced.input_ids.np[:n].tolist() == tokens  # the tokens sampled last step
     assert advanced.slot_mapping.np[:2].tolist() == [2 * BS, 5 * BS]
+    assert advanced.slot_mapping.np[2:n].tolist() == [(30 + i) * BS + 1 for i in range(extra)]
 
 
 def test_make_dummy_writes_one_token_requests_at_length_one_into_the_null_block() -> None:
