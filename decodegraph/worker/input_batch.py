@@ -182,7 +182,8 @@ class InputBatch:
         b.wait_for_copies()
         if self.num_reqs >= _DECODE_ROWS_AS_LISTS:
             seq_lens_cpu, _ = _write_decode_rows(b, states, write_tables=False)
-        else:  # (its block-table rows are unchanged: rewriting them is skipped)
+        else:  # also rewrites the query starts and logits rows, to the same values; the
+            # unchanged block-table rows it skips
             seq_lens_cpu, _ = _write_rows(b, states, [1] * self.num_reqs)
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
         return InputBatch(
