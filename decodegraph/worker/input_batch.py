@@ -135,14 +135,7 @@ class InputBatch:
         else:
             padded_reqs = num_reqs
         b.wait_for_copies()
-        seq_lens, qsl, logits_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
-        if uniform and num_reqs >= _DECODE_ROWS_AS_LISTS:
-            # Every request decodes one token, and enough of them to gather first.
-            seq_lens_cpu, sample_rows = _write_decode_rows(b, states, write_tables=True)
-            qsl[1 : num_reqs + 1] = b.arange[1 : num_reqs + 1]
-            logits_idx[:num_reqs] = b.arange[:num_reqs]
-        else:
-            seq_lens_cpu, sample_rows = _write_rows(b, states, counts)
+        seq_lens_cpu, sample_rows = _write_rows(b, states, counts)
         # Padding (docs/design.md §5) and stale tails.
         if padded_tokens > num_tokens:
             b.input_ids.np[num_tokens:padded_tokens] = 0
@@ -150,8 +143,8 @@ class InputBatch:
             for table in b.kv_groups:
                 table.slot_mapping.np[num_tokens:padded_tokens] = -1
         if padded_reqs > num_reqs:
-            seq_lens[num_reqs:padded_reqs] = 0
-            qsl[num_reqs + 1 : padded_reqs + 1] = num_tokens
+            b.seq_lens.np[num_reqs:padded_reqs] = 0
+            b.query_start_loc.np[num_reqs + 1 : padded_reqs + 1] = num_tokens
             b.clear_block_rows(num_reqs, padded_reqs)
         b.copy_to_device(padded_tokens, padded_reqs, num_reqs)
         b.num_reqs_np[0] = num_reqs
@@ -165,7 +158,9 @@ class InputBatch:
             max_seq_len=max(seq_lens_cpu),
             uniform_decode=uniform,
             query_start_loc_cpu=(
-                [0, 1] if num_reqs == 1 and num_tokens == 1 else qsl[: num_reqs + 1].tolist()
+                [0, 1]
+                if num_reqs == 1 and num_tokens == 1
+                else b.query_start_loc.np[: num_reqs + 1].tolist()
             ),
             seq_lens_cpu=seq_lens_cpu,
             sample_rows=sample_rows,
@@ -175,16 +170,13 @@ class InputBatch:
 
     def advance(self, states: list[CachedRequestState], buffers: InputBuffers) -> InputBatch:
         """The next step of a multi-step batch, written into `buffers`: the same rows,
-        each request computing the one token it sampled last step. Only what moves is
-        written (token ids, positions, slots, context lengths): the block-table rows
-        already hold every step's blocks, and the padding stays."""
+        each request computing the one token it sampled last step. Every row is written
+        as prepare() writes it (the query starts, logits rows and block-table rows to what
+        they hold already: the block tables hold every step's blocks), and the padding
+        stays."""
         b = buffers
         b.wait_for_copies()
-        if self.num_reqs >= _DECODE_ROWS_AS_LISTS:
-            seq_lens_cpu, _ = _write_decode_rows(b, states, write_tables=False)
-        else:  # also rewrites the query starts and logits rows, to the same values; the
-            # unchanged block-table rows it skips
-            seq_lens_cpu, _ = _write_rows(b, states, [1] * self.num_reqs)
+        seq_lens_cpu, _ = _write_rows(b, states, [1] * self.num_reqs)
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
         return InputBatch(
             self.req_ids,
@@ -224,7 +216,10 @@ def _write_rows(
 ) -> tuple[list[int], list[int]]:
     """Any batch's token rows, context lengths, query starts, logits rows and block-table
     rows (`counts[i]` tokens of request `i` from its computed ones on, which this advances
-    past them): the batch's context lengths, and the rows that sample."""
+    past them): the batch's context lengths, and the rows that sample. A value at a time;
+    from _DECODE_ROWS_AS_LISTS decode rows on, gathered in lists (_write_decode_rows)."""
+    if len(states) >= _DECODE_ROWS_AS_LISTS and sum(counts) == len(states):
+        return _write_decode_rows(b, states)
     bs, kv_groups = b.block_size, b.kv_groups
     first_group = kv_groups[0]
     ids, pos, slots = b.input_ids.np, b.positions.np, first_group.slot_mapping.np
@@ -262,13 +257,11 @@ def _write_rows(
 
 
 def _write_decode_rows(
-    b: InputBuffers, states: list[CachedRequestState], write_tables: bool
+    b: InputBuffers, states: list[CachedRequestState]
 ) -> tuple[list[int], list[int]]:
     """_write_rows where every request computes one token: its token id, position, slot
     and context length gathered in lists, each array written once (a numpy scalar store
-    per value cost more than the rest of a row); the block-table rows too where
-    `write_tables` (a multi-step batch's later steps keep them). Query starts and logits
-    rows are the caller's."""
+    per value cost more than the rest of a row)."""
     bs, n = b.block_size, len(states)
     first_group = b.kv_groups[0]
     owners, lengths, write_row = (
@@ -288,7 +281,7 @@ def _write_decode_rows(
         positions.append(first)
         slots.append(block_ids[first // bs] * bs + first % bs)
         state.num_computed_tokens = first + 1  # this step computes it
-        if write_tables and (owners[i] is not block_ids or lengths[i] != len(block_ids)):
+        if owners[i] is not block_ids or lengths[i] != len(block_ids):  # (write_row's test)
             write_row(i, block_ids)
         if first + 1 == len(tokens):
             sample_rows.append(i)
@@ -297,14 +290,15 @@ def _write_decode_rows(
     first_group.slot_mapping.np[:n] = slots
     seq_lens_cpu = [p + 1 for p in positions]
     b.seq_lens.np[:n] = seq_lens_cpu
+    b.query_start_loc.np[1 : n + 1] = b.arange[1 : n + 1]
+    b.logits_indices.np[:n] = b.arange[:n]
     for g in range(1, len(b.kv_groups)):  # the other KV cache groups' tables
         table = b.kv_groups[g]
         table.slot_mapping.np[:n] = [
             s.block_ids[g][p // bs] * bs + p % bs for s, p in zip(states, positions, strict=True)
         ]
-        if write_tables:
-            for i, state in enumerate(states):
-                table.write_row(i, state.block_ids[g])
+        for i, state in enumerate(states):
+            table.write_row(i, state.block_ids[g])
     return seq_lens_cpu, sample_rows
 
 

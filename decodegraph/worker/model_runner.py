@@ -268,8 +268,7 @@ class ModelRunner:
         a step waits while the dynamic decode graph is traced, not while it compiles)."""
         with module_call_lock:
             output = self._execute_batch(so, plan)
-            if self.graph_runner.finish_background_build(self._prepare_dummy):
-                output.dynamic_decode_rows = self.graph_runner.dynamic_rows
+            output.dynamic_decode_rows = self._finish_background_graph()
         return output
 
     def _execute_batch(self, so: SchedulerOutput, plan: StepPlan | None) -> ModelRunnerOutput:
@@ -291,8 +290,13 @@ class ModelRunner:
         where one is, and run it once; the rows it serves from now on, or None."""
         self.graph_runner.join_background_build()  # holding no lock its trace needs
         with module_call_lock:
-            if self.graph_runner.finish_background_build(self._prepare_dummy):
-                return self.graph_runner.dynamic_rows
+            return self._finish_background_graph()
+
+    def _finish_background_graph(self) -> tuple[int, int] | None:
+        """Where the dynamic decode graph made in the background is ready, run it once
+        (the caller holds module_call_lock): the rows it serves from now on; else None."""
+        if self.graph_runner.finish_background_build(self._prepare_dummy):
+            return self.graph_runner.dynamic_rows
         return None
 
     def _execute_greedy_multi_step(
