@@ -174,15 +174,18 @@ class EngineSide:
         self.forwards: list[float] = []
 
     def settle(self) -> None:
-        """After the untimed run: wait for a dynamic decode graph that run set building
-        in the background (its seconds go into the row), so the timed runs measure the
-        engine as it serves from then on."""
+        """After the untimed run: wait for the graphs that run set building in the
+        background (the dynamic decode graph, decode sizes made on demand; their seconds
+        go into the row), so the timed runs measure the engine as it serves from then on."""
         start = time.perf_counter()
         self.llm.llm_engine.engine_core.wait_for_background_graph()
         stats = self.llm.llm_engine.runner.graph_runner.stats
         if stats.dynamic_decode_build:
             self.info["dynamic_decode_build"] = stats.dynamic_decode_build
             self.info["dynamic_decode_build_s"] = stats.dynamic_decode_build_seconds
+        if stats.on_demand_builds:
+            self.info["on_demand_builds"] = {str(k): v for k, v in stats.on_demand_builds.items()}
+        if stats.dynamic_decode_build or stats.on_demand_builds:
             self.info["settle_wait_s"] = time.perf_counter() - start
 
     def batch1(self, tokens: int) -> float:

@@ -250,6 +250,13 @@ class CompilationConfig:
     # then; under tensor parallelism, none. true: made at start-up (every rank). false:
     # none (README, "Graph modes").
     dynamic_decode_graph: bool | None = None
+    # Full decode graphs above the smallest decode size made when a batch first needs
+    # them, on a thread of their own, those batches on a larger graph or eager until then
+    # (docs/design.md §3), where the platform makes graphs in the background (CPU), on
+    # one rank. Unset (the default): so with the platform's default sizes; sizes listed in
+    # cudagraph_capture_sizes are all made at start-up. true: also the listed sizes.
+    # false: every size at start-up (README, "Graph modes").
+    decode_graphs_on_demand: bool | None = None
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode is not None:
@@ -277,6 +284,12 @@ class CompilationConfig:
         ):
             raise ValueError(
                 "compilation_config.dynamic_decode_graph: must be true, false or unset (null)"
+            )
+        if self.decode_graphs_on_demand is not None and not isinstance(
+            self.decode_graphs_on_demand, bool
+        ):
+            raise ValueError(
+                "compilation_config.decode_graphs_on_demand: must be true, false or unset (null)"
             )
 
     @classmethod

@@ -122,9 +122,11 @@ class ModelRunnerOutput:
     # A multi-step batch's later steps (SchedulerOutput.num_steps - 1 of them), in order:
     # their sampled tokens and logprobs, parallel to req_ids like this step's.
     later_steps: list[ModelRunnerOutput] = field(default_factory=list)
-    # Set by the step after which the dynamic decode graph made in the background
-    # serves its (fewest, most) rows: the driver's dispatcher plans them from the next.
+    # Set by the step after which graphs made in the background serve: the dynamic decode
+    # graph's (fewest, most) rows, and decode sizes made on demand. The driver's
+    # dispatcher plans them from the next step.
     dynamic_decode_rows: tuple[int, int] | None = None
+    decode_sizes_made: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

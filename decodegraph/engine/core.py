@@ -133,6 +133,8 @@ class EngineCore:
             graph_info.max_num_reqs,
             graph_info.dynamic_decode,
         )
+        # Decode sizes made on demand (one rank): planned for from the step after each is.
+        self.dispatcher.defer_decode_sizes(list(stats[0].on_demand_builds))
         # (step kind, runtime mode) -> steps; step kind is "decode" or "mixed".
         self.mode_counts: Counter[tuple[str, str]] = Counter()
         self.capture_stats = stats[0]
@@ -311,17 +313,24 @@ class EngineCore:
         except BaseException as e:
             self._fail(e)
             raise
-        if runner_out.dynamic_decode_rows is not None:  # made in the background: from now on
-            self.dispatcher.dynamic_decode_rows = runner_out.dynamic_decode_rows
+        if runner_out.dynamic_decode_rows is not None or runner_out.decode_sizes_made:
+            self._graphs_made(runner_out.dynamic_decode_rows, runner_out.decode_sizes_made)
         return sched_out, self.scheduler.update_from_output(sched_out, runner_out)
 
     def wait_for_background_graph(self) -> None:
-        """Between steps: wait for a dynamic decode graph being made in the background
-        (one rank), and plan its batches from the next step (benchmarks and tests: an
-        engine does not wait for it)."""
-        rows = self.executor.collective_rpc("wait_for_background_graph")
-        if all(r is not None for r in rows):
-            self.dispatcher.dynamic_decode_rows = rows[0]
+        """Between steps: wait for the graphs being made in the background (one rank), and
+        plan their batches from the next step (benchmarks and tests: an engine does not
+        wait for them)."""
+        made = self.executor.collective_rpc("wait_for_background_graph")
+        if all(m == made[0] for m in made):
+            self._graphs_made(*made[0])
+
+    def _graphs_made(self, dynamic_rows: tuple[int, int] | None, sizes: list[int]) -> None:
+        """Graphs made in the background (one rank) serve from the next step."""
+        if dynamic_rows is not None:
+            self.dispatcher.dynamic_decode_rows = dynamic_rows
+        for size in sizes:
+            self.dispatcher.decode_size_made(size)
 
     def _fail(self, error: BaseException) -> None:
         """After a failed step: no step runs again, and the workers are stopped (a rank

@@ -111,6 +111,16 @@ def _dynamic_decode_line(report: dict) -> str:
     return "-"
 
 
+def _on_demand_line(report: dict) -> str:
+    """The `graphs` report's decode sizes made on demand, each with how its build stands,
+    or "-"."""
+    builds = report["decode_sizes_on_demand"]
+    if not builds:
+        return "-"
+    listed = ", ".join(f"{size} ({state})" for size, state in builds.items())
+    return f"{listed}: made in the background when a batch first needs each"
+
+
 def _graphs(args: argparse.Namespace) -> int:
     with collector_paused():  # the engine and transformers' configurations (gc_utils)
         from decodegraph.engine.llm_engine import LLMEngine
@@ -132,6 +142,7 @@ def _graphs(args: argparse.Namespace) -> int:
         ("why", "; ".join(report["resolution"]) or "as requested"),
         ("capture sizes", ", ".join(map(str, report["capture_sizes"])) or "-"),
         ("dynamic decode", _dynamic_decode_line(report)),
+        ("sizes on demand", _on_demand_line(report)),
         (
             "graphs",
             f"{report['num_graphs']}"
@@ -199,6 +210,8 @@ def graphs_report(engine: object) -> dict:
         # Where it is made in the background: its rows, and how its build stands.
         "dynamic_decode_planned_rows": cs.dynamic_decode_planned_rows,
         "dynamic_decode_build": cs.dynamic_decode_build,
+        # Decode sizes made on demand, in the background: size -> how its build stands.
+        "decode_sizes_on_demand": dict(cs.on_demand_builds),
         "num_graphs": cs.num_graphs,
         "graphs_by_mode": cs.by_mode,
         "keys": keys,

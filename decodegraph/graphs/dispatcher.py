@@ -33,6 +33,10 @@ class CudagraphDispatcher:
     with `dynamic_decode`, a uniform decode batch above the largest decode size (up to
     max_num_reqs) runs FULL under its own unpadded key instead, which the graph runner's
     one dynamic decode graph serves (`dynamic_decode_rows`).
+
+    Decode sizes whose graphs are made later, when a batch first needs them
+    (`defer_decode_sizes`), pad no batch until `decode_size_made`: a batch meanwhile pads
+    to the smallest larger size that is made, or runs eagerly.
     """
 
     def __init__(
@@ -48,6 +52,8 @@ class CudagraphDispatcher:
         self.decode_sizes = [
             s for s in self.capture_sizes if max_num_reqs is None or s <= max_num_reqs
         ]
+        # The decode sizes whose graphs are made (all but the deferred ones).
+        self.made_decode_sizes = list(self.decode_sizes)
         self.keys: dict[RuntimeMode, list[BatchDescriptor]] = {
             RuntimeMode.FULL: [],
             RuntimeMode.PIECEWISE: [],
@@ -77,8 +83,21 @@ class CudagraphDispatcher:
         i = bisect.bisect_left(sizes, num_tokens)
         return sizes[i] if i < len(sizes) else None
 
+    def defer_decode_sizes(self, sizes: list[int]) -> None:
+        """Decode sizes whose graphs are not made yet (each until `decode_size_made`)."""
+        self.made_decode_sizes = [s for s in self.made_decode_sizes if s not in sizes]
+
+    def decode_size_made(self, size: int) -> None:
+        """A deferred decode size's graph is made: it pads batches from now on."""
+        if size in self.decode_sizes and size not in self.made_decode_sizes:
+            self.made_decode_sizes = sorted([*self.made_decode_sizes, size])
+
     def padded_decode_size(self, num_reqs: int) -> int | None:
-        """The smallest decode capture size >= num_reqs, or None when none is."""
+        """The smallest decode size >= num_reqs whose graph is made, or None."""
+        return self._pad(self.made_decode_sizes, num_reqs)
+
+    def planned_decode_size(self, num_reqs: int) -> int | None:
+        """The smallest decode capture size >= num_reqs, made or not, or None."""
         return self._pad(self.decode_sizes, num_reqs)
 
     def padded_size(self, num_tokens: int) -> int | None:
@@ -88,7 +107,7 @@ class CudagraphDispatcher:
     def dispatch(self, desc: BatchDescriptor) -> StepPlan:
         """The runtime mode and key for one step's (unpadded) batch."""
         if desc.uniform and self._uniform_full:
-            padded = self._pad(self.decode_sizes, desc.num_tokens)
+            padded = self._pad(self.made_decode_sizes, desc.num_tokens)
             if padded is not None:
                 return StepPlan(RuntimeMode.FULL, BatchDescriptor(padded, padded, True))
             if self.covers_dynamic(desc.num_tokens):

@@ -58,8 +58,9 @@ GraphKey = tuple[RuntimeMode, BatchDescriptor]
 PrepareDummy = Callable[[RuntimeMode, BatchDescriptor], dict[str, AttentionMetadata]]
 
 
-# The name of the thread a dynamic decode graph is made on in the background.
-BACKGROUND_BUILD_THREAD = "decodegraph-dynamic-graph"
+# The name of the thread graphs are made on in the background (the dynamic decode graph,
+# decode sizes made on demand).
+BACKGROUND_BUILD_THREAD = "decodegraph-graph-build"
 
 
 class CaptureClosedError(RuntimeError):
@@ -79,6 +80,9 @@ class CaptureStats:
     dynamic_decode_planned_rows: tuple[int, int] | None = None
     dynamic_decode_build: str = ""
     dynamic_decode_build_seconds: float = 0.0
+    # Full decode sizes made when a batch first needs them, on that thread: each one's
+    # build as above ("not needed yet", "building", "ready", "failed").
+    on_demand_builds: dict[int, str] = field(default_factory=dict)
 
 
 class GraphRunner:
@@ -132,7 +136,17 @@ class GraphRunner:
         # batch needs it (the dispatcher sends batches to it only when it is made).
         self.dynamic_rows: tuple[int, int] | None = None
         self.dynamic_in_background = False
-        self._background: _BackgroundBuild | None = None
+        # Full decode sizes made on demand (`decode_graphs_on_demand`), not at start-up.
+        self.on_demand_sizes: list[int] = []
+        # Graphs planned at start-up and made in the background, by key, until finished;
+        # the thread that makes them, one at a time, and those it has yet to make.
+        self._background: dict[BatchDescriptor, _BackgroundBuild] = {}
+        self._build_thread: threading.Thread | None = None
+        self._build_queue: list[_BackgroundBuild] = []
+        self._build_lock = threading.Lock()
+        # Uniform decode batch rows -> the planned graph that will serve them, while
+        # none has asked for it (a dict lookup a step: its build starts at the first).
+        self._unrequested: dict[int, _BackgroundBuild] = {}
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -161,6 +175,9 @@ class GraphRunner:
             self.stats.dynamic_decode_build = "not needed yet"
             self.stats.dynamic_decode_planned_rows = self.dynamic_rows
         self.graph_num_steps = self._graph_num_steps()
+        self.on_demand_sizes = self._on_demand_sizes()
+        self.dispatcher.defer_decode_sizes(self.on_demand_sizes)
+        self.stats.on_demand_builds = dict.fromkeys(self.on_demand_sizes, "not needed yet")
         return self.mode
 
     @property
@@ -204,6 +221,31 @@ class GraphRunner:
             )
             return False
         return True
+
+    def _on_demand_sizes(self) -> list[int]:
+        """The full decode sizes made when a batch first needs them, on a thread of their
+        own, rather than at start-up: every decode size but the smallest, where asked for
+        (true) or left to the default (unset) with the platform's default sizes, on one
+        rank whose platform makes graphs in the background. Why not, where asked for, is
+        logged once as a warning."""
+        asked = self.compilation_config.decode_graphs_on_demand
+        sizes = [k.num_tokens for k in self.dispatcher.keys[RuntimeMode.FULL] if k.uniform]
+        if asked is False or len(sizes) < 2:
+            return []
+        reason = None
+        if not self.platform.supports_background_graphs:
+            reason = f"platform {self.platform.name} makes its graphs at start-up only"
+        elif self.world_size > 1:
+            reason = "under tensor parallelism every rank must switch graphs in the same step"
+        elif self.graph_num_steps > 1:
+            reason = "multi-step graphs are made beside every decode size at start-up"
+        if reason is not None:
+            if asked:
+                logger.warning("compilation_config.decode_graphs_on_demand: %s", reason)
+            return []
+        if asked is None and self.compilation_config.cudagraph_capture_sizes:
+            return []  # sizes the user listed are made at start-up
+        return sorted(sizes)[1:]
 
     def _graph_num_steps(self) -> int:
         """How many decode steps one graph runs: the scheduler's steps where a full decode
@@ -254,15 +296,24 @@ class GraphRunner:
         if self.closed:
             raise CaptureClosedError("graphs are captured once, at start-up")
         keys = self.dispatcher.all_keys()
+        later = [(RuntimeMode.FULL, BatchDescriptor(s, s, True)) for s in self.on_demand_sizes]
+        keys = [k for k in keys if k not in later]
         if self.graph_num_steps > 1:  # after the others: a uniform key per decode size
             steps = self.graph_num_steps
             sizes = sorted(self.dispatcher.decode_sizes, reverse=True)
             keys += [(RuntimeMode.FULL, BatchDescriptor(s, s, True, steps)) for s in sizes]
         if self.dynamic_key is not None:  # the largest: first
             if self.dynamic_in_background:
-                self._plan_background_build(model, prepare_dummy)
+                self._plan_background_build(self.dynamic_key, model, prepare_dummy)
             else:
                 keys.insert(0, (RuntimeMode.FULL, self.dynamic_key))
+        for _, key in later:
+            self._plan_background_build(key, model, prepare_dummy)
+        self._unrequested = {
+            n: self._background[key]
+            for n in range(1, self.max_num_reqs + 1)
+            if (key := self._planned_key(n)) in self._background
+        }
         memory_before = self.platform.memory_allocated()
         start = time.perf_counter()
         # A collection during capture makes it slow (vLLM #21146): collect now, then
@@ -413,92 +464,148 @@ class GraphRunner:
         )
         self.dispatcher.dynamic_decode_rows = None
 
-    # ------------------------------------------------ the dynamic graph, in the background
+    # ------------------------------------------------ graphs made in the background
 
-    def _plan_background_build(self, model: torch.nn.Module, prepare_dummy: PrepareDummy) -> None:
-        """At start-up, what the dynamic decode graph will need (its attention params,
+    def _plan_background_build(
+        self, key: BatchDescriptor, model: torch.nn.Module, prepare_dummy: PrepareDummy
+    ) -> None:
+        """At start-up, what the graph for full key `key` will need (its attention params,
         made here with the other graphs'), and nothing else: it is traced and compiled
         on a thread of its own when the first batch needs it (`dispatch`)."""
-        key = self.dynamic_key
-        assert key is not None
         params_id, context = self._new_full_params(key, prepare_dummy)
-        self._background = _BackgroundBuild(
-            self._forward_fn(model, logits=True), params_id, context
+        self._background[key] = _BackgroundBuild(
+            key, self._forward_fn(model, logits=True), params_id, context
         )
 
-    def _start_background_build(self) -> None:
-        """Trace and compile the dynamic decode graph on a thread of its own. Nothing there
-        runs the graph or writes a buffer (`finish_background_build` does, between
-        steps); the engine's steps go on meanwhile, those it will serve eagerly."""
-        build = self._background
-        assert build is not None and build.thread is None
-        self.stats.dynamic_decode_build = "building"
-        self.platform.before_background_graph()  # here, on the thread that steps
+    def _request_build(self, build: _BackgroundBuild) -> None:
+        """Have a planned graph made in the background: queued for the thread that makes
+        them (started if none runs). Nothing there runs a graph or writes a buffer
+        (`finish_background_build` does, between steps); the engine's steps go on
+        meanwhile, those it will serve eagerly (or on a larger graph)."""
+        self._unrequested = {n: b for n, b in self._unrequested.items() if b is not build}
+        self._set_build_state(build.key, "building")
+        with self._build_lock:
+            self._build_queue.append(build)
+            if self._build_thread is None:
+                self.platform.before_background_graph()  # here, on the thread that steps
+                self._build_thread = threading.Thread(
+                    target=self._build_in_background, name=BACKGROUND_BUILD_THREAD, daemon=True
+                )
+                self._build_thread.start()
+            build.thread = self._build_thread
 
-        def make() -> None:
-            start = time.perf_counter()
-            try:
-                with (
-                    _quick_gil_handover(),
-                    torch.inference_mode(),
-                    set_forward_context(build.context),
-                ):
+    def _build_in_background(self) -> None:
+        """The thread's loop: make each queued graph in turn until none is left."""
+        with _quick_gil_handover(), torch.inference_mode():
+            while True:
+                with self._build_lock:
+                    if not self._build_queue:
+                        self._build_thread = None
+                        return
+                    build = self._build_queue.pop(0)
+                if not build.cancelled:
+                    self._make_in_background(build)
+
+    def _make_in_background(self, build: _BackgroundBuild) -> None:
+        start = time.perf_counter()
+        try:
+            with set_forward_context(build.context):
+                if build.key == self.dynamic_key:
                     graph = self._make_dynamic_graph(build.fn, runs_later=True)  # logs a failure
-                    if graph is not None and not build.cancelled:
-                        graph.wait_built()
-                        build.graph = graph
-            except Exception as e:  # noqa: BLE001 - reported by finish_background_build
-                build.error = e
-            build.seconds = time.perf_counter() - start
-
-        build.thread = threading.Thread(target=make, name=BACKGROUND_BUILD_THREAD, daemon=True)
-        build.thread.start()
+                else:
+                    graph = self.platform.make_graph(
+                        f"{RuntimeMode.FULL.name}{build.key.label()}",
+                        build.fn,
+                        self.graph_inputs(RuntimeMode.FULL, build.key),
+                        self.compilation_config,
+                        weak_outputs=True,
+                        runs_later=True,
+                    )
+                if graph is not None and not build.cancelled:
+                    graph.wait_built()
+                    build.graph = graph
+        except Exception as e:  # noqa: BLE001 - reported by finish_background_build
+            build.error = e
+        build.seconds = time.perf_counter() - start
+        build.done = True
 
     def join_background_build(self) -> None:
-        """Wait for a build in the background to end, where one runs."""
-        build = self._background
-        if build is not None and build.thread is not None:
-            build.thread.join()
+        """Wait until the graphs asked for in the background are made, where any are."""
+        thread = self._build_thread
+        if thread is not None:
+            thread.join()
 
-    def finish_background_build(self, prepare_dummy: PrepareDummy) -> bool:
-        """Between steps (the buffers free to write): where the dynamic decode graph made
-        in the background is ready, run it once over a dummy batch, as capture does, and
-        let the dispatcher send its batches to it. True when it did so now; a graph that
-        failed is logged, and its batches stay eager."""
-        build = self._background
-        if build is None or build.thread is None or build.thread.is_alive():
-            return False
-        self._background = None
-        self.stats.dynamic_decode_build_seconds = build.seconds
+    def finish_background_build(self, prepare_dummy: PrepareDummy) -> list[BatchDescriptor]:
+        """Between steps (the buffers free to write): each graph made in the background
+        since the last call is run once over a dummy batch, as capture does, and the
+        dispatcher sends its batches to it. Returns the keys made ready now; a graph that
+        failed is logged, and its batches stay eager (or on a larger graph)."""
+        made: list[BatchDescriptor] = []
+        for key, build in list(self._background.items()):
+            if not build.done:
+                continue
+            del self._background[key]
+            if self._finish_build(build, prepare_dummy):
+                made.append(key)
+        return made
+
+    def _finish_build(self, build: _BackgroundBuild, prepare_dummy: PrepareDummy) -> bool:
+        key, dynamic = build.key, build.key == self.dynamic_key
+        if dynamic:
+            self.stats.dynamic_decode_build_seconds = build.seconds
         error = build.error
         if build.graph is not None and error is None:
             try:
-                prepare_dummy(RuntimeMode.FULL, self.dynamic_key)
+                prepare_dummy(RuntimeMode.FULL, key)
                 with torch.inference_mode(), set_forward_context(build.context):
                     build.graph.finish()
             except Exception as e:  # noqa: BLE001 - any failure: run those batches eagerly
                 error = e
         if build.graph is None or error is not None:
-            self.stats.dynamic_decode_build = "failed"
-            if error is not None:  # (a failed trace has said why already)
+            self._set_build_state(key, "failed")
+            if dynamic and error is not None:  # (a failed trace has said why already)
                 self._no_dynamic_graph(error)
+            elif not dynamic:
+                logger.warning(
+                    "no graph for %d-request decode batches (%s: %s); they run on the next "
+                    "larger graph, or eagerly",
+                    key.num_tokens,
+                    type(error).__name__,
+                    str(error).splitlines()[0] if error is not None and str(error) else "",
+                )
             return False
-        self._add(RuntimeMode.FULL, self.dynamic_key, build.graph, build.params_id, 1)
-        self.dispatcher.dynamic_decode_rows = self.stats.dynamic_decode_rows = self.dynamic_rows
-        self.stats.dynamic_decode_build = "ready"
-        logger.info(
-            "dynamic decode graph for %d-%d requests made in the background in %.1f s",
-            *self.dynamic_rows,
-            build.seconds,
-        )
+        self._add(RuntimeMode.FULL, key, build.graph, build.params_id, 1)
+        self._set_build_state(key, "ready")
+        if dynamic:
+            self.dispatcher.dynamic_decode_rows = self.stats.dynamic_decode_rows = self.dynamic_rows
+            logger.info(
+                "dynamic decode graph for %d-%d requests made in the background in %.1f s",
+                *self.dynamic_rows,
+                build.seconds,
+            )
+        else:
+            self.dispatcher.decode_size_made(key.num_tokens)
+            logger.info(
+                "graph for %d-request decode batches made in the background in %.1f s",
+                key.num_tokens,
+                build.seconds,
+            )
         return True
 
+    def _set_build_state(self, key: BatchDescriptor, state: str) -> None:
+        if key == self.dynamic_key:
+            self.stats.dynamic_decode_build = state
+        else:
+            self.stats.on_demand_builds[key.num_tokens] = state
+
     def close(self) -> None:
-        """Stop a background build: what it is doing now ends, the graph is dropped."""
-        build, self._background = self._background, None
-        if build is not None and build.thread is not None:
+        """Stop the builds in the background: what is being made now ends, no other is
+        started, and every graph planned there is dropped."""
+        builds, self._background = list(self._background.values()), {}
+        self._unrequested = {}
+        for build in builds:
             build.cancelled = True
-            build.thread.join()
+        self.join_background_build()
 
     @staticmethod
     def _forward_fn(model: torch.nn.Module, logits: bool) -> Callable[..., Any]:
@@ -548,14 +655,10 @@ class GraphRunner:
         With the driver's `plan` this rank's own decision must be the same: a rank whose
         graphs differ (other capture sizes, another mode) refuses the step rather than
         run eager while the others replay, or replay another size."""
-        build = self._background
-        if (
-            build is not None
-            and build.thread is None
-            and uniform
-            and in_rows(self.dynamic_rows, num_reqs)
-        ):
-            self._start_background_build()  # the first batch for the dynamic graph
+        if self._unrequested and uniform:
+            build = self._unrequested.get(num_reqs)
+            if build is not None:  # the first batch a planned graph serves
+                self._request_build(build)
         if plan is not None and self.world_size == 1:
             # The driver's dispatcher was built from this very rank's graphs.
             self.mode_counts[("decode" if uniform else "mixed", plan.mode.name)] += 1
@@ -569,6 +672,14 @@ class GraphRunner:
             )
         self.mode_counts[("decode" if uniform else "mixed", own.mode.name)] += 1
         return own
+
+    def _planned_key(self, num_reqs: int) -> BatchDescriptor:
+        """The full key a uniform decode batch of `num_reqs` requests runs once every
+        planned graph is made."""
+        if in_rows(self.dynamic_rows, num_reqs):
+            return self.dynamic_key  # type: ignore[return-value]
+        size = self.dispatcher.planned_decode_size(num_reqs) or num_reqs
+        return BatchDescriptor(size, size, True)
 
     def replay(
         self, mode: RuntimeMode, key: BatchDescriptor, metadata: dict[str, AttentionMetadata]
@@ -635,14 +746,25 @@ def _quick_gil_handover() -> Iterator[None]:
 
 
 class _BackgroundBuild:
-    """The dynamic decode graph made on a thread of its own (GraphRunner)."""
+    """A full graph made on a thread of its own (GraphRunner): the dynamic decode graph,
+    or a decode size made on demand."""
 
-    def __init__(self, fn: Callable[..., Any], params_id: int, context: ForwardContext) -> None:
+    def __init__(
+        self,
+        key: BatchDescriptor,
+        fn: Callable[..., Any],
+        params_id: int,
+        context: ForwardContext,
+    ) -> None:
+        self.key = key
         self.fn = fn
         self.params_id = params_id
         self.context = context
+        # The thread that makes it, once a batch asked for it.
         self.thread: threading.Thread | None = None
         self.graph: DeviceGraph | None = None
         self.error: BaseException | None = None
         self.cancelled = False
+        # Set last, by the thread: graph or error and seconds are final.
+        self.done = False
         self.seconds = 0.0

@@ -36,7 +36,10 @@ module_call_lock = threading.RLock()
 
 
 def trace(
-    fn: GraphFn, inputs: Sequence[torch.Tensor], decompositions: dict | None = None
+    fn: GraphFn,
+    inputs: Sequence[torch.Tensor],
+    decompositions: dict | None = None,
+    on_fakes: bool = False,
 ) -> torch.fx.GraphModule:
     """Trace `fn` into an op graph (make_fx); tensors it reads but is not given become
     constants. `decompositions` (a platform's `graph_decompositions()`) say which
@@ -45,14 +48,26 @@ def trace(
     The trace runs on the real tensors; each node's metadata is an empty fake tensor of
     its value's shape, made in the current tracing context's fake mode. Without a
     context, make_fx builds a fresh fake mode for every node, which was most of a trace
-    (seconds for a 24-layer model)."""
+    (seconds for a 24-layer model).
+
+    `on_fakes`: the trace runs on fake copies of `inputs` (of the same fixed shapes)
+    instead, so that nothing is computed or written: a graph traced on a thread of its
+    own while another thread's steps use those tensors (and the KV caches `fn` writes)."""
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    fake_mode = FakeTensorMode(allow_fallback_kernels=True)
+    if on_fakes:
+        fake_mode = FakeTensorMode(static_shapes=True, allow_non_fake_inputs=True)
+        args = [fake_mode.from_tensor(t, static_shapes=True) for t in inputs]
+        tracing_mode = "fake"
+    else:
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True)
+        args, tracing_mode = list(inputs), "real"
     with graph_build_lock, module_call_lock, torch.no_grad(), tracing(TracingContext(fake_mode)):
-        return make_fx(fn, decomposition_table=decompositions or {})(*inputs)
+        return make_fx(fn, decomposition_table=decompositions or {}, tracing_mode=tracing_mode)(
+            *args
+        )
 
 
 def trace_rows(
@@ -213,6 +228,10 @@ class Platform:
     supports_graphs: ClassVar[bool] = False
     # Whether make_dynamic_graph makes one graph for every row count here.
     supports_dynamic_graphs: ClassVar[bool] = False
+    # Whether make_graph and make_dynamic_graph can make a graph on a thread of their own
+    # while another thread steps (`runs_later`): the graph runner then makes the larger
+    # decode sizes when a batch first needs them (graphs/graph_runner.py).
+    supports_background_graphs: ClassVar[bool] = False
     # The attention backend's name (attention/selector.py); DECODEGRAPH_ATTENTION_BACKEND
     # overrides it.
     default_attention_backend: ClassVar[str | None] = None
@@ -266,6 +285,7 @@ class Platform:
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
         weak_outputs: bool = False,
+        runs_later: bool = False,
     ) -> DeviceGraph:
         """Capture `fn(*inputs)` into a graph bound to `inputs` (warm-ups included), in
         the platform's one memory pool (`graph_pool()`).
@@ -276,7 +296,11 @@ class Platform:
         every size's logits stay allocated side by side.
 
         The graph may still be building when this returns: its `finish()` waits (the
-        graph runner calls it on every graph once all are made)."""
+        graph runner calls it on every graph once all are made).
+
+        `runs_later` (only where `supports_background_graphs`): made on a thread of its
+        own while steps run, so nothing runs over `inputs` or writes a tensor `fn`
+        writes until `finish`, which the thread that steps calls."""
         raise NotImplementedError(f"platform {self.name} cannot capture graphs")
 
     def make_dynamic_graph(
@@ -299,7 +323,7 @@ class Platform:
         raise NotImplementedError(f"platform {self.name} has no graphs of dynamic rows")
 
     def before_background_graph(self) -> None:
-        """On the thread that steps, before a dynamic graph is made on another: whatever
+        """On the thread that steps, before a graph is made on another: whatever
         making it would otherwise do to the whole process that a step must not meet (see
         module_call_lock)."""
 

@@ -63,6 +63,7 @@ class CpuPlatform(Platform):
     dist_backend: ClassVar[str] = "gloo"
     supports_graphs: ClassVar[bool] = True
     supports_dynamic_graphs: ClassVar[bool] = True
+    supports_background_graphs: ClassVar[bool] = True
     default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
     # in a process with a cold cache), so few sizes keep a cold start short. No 2: a
@@ -149,6 +150,7 @@ class CpuPlatform(Platform):
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
         weak_outputs: bool = False,
+        runs_later: bool = False,
     ) -> DeviceGraph:
         # A CPU graph's outputs are new tensors at every replay: nothing to share. Its
         # C++ builds in the background, while the graph runner compiles the next size.
@@ -160,6 +162,7 @@ class CpuPlatform(Platform):
             self.inductor_options(config),
             self.graph_decompositions(),
             defer=True,
+            runs_later=runs_later,
         )
 
     def make_dynamic_graph(

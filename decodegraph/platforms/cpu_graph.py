@@ -505,9 +505,12 @@ class CpuGraph(DeviceGraph):
         inductor_options: dict[str, object] | None = None,
         decompositions: dict | None = None,
         defer: bool = False,
+        runs_later: bool = False,
     ) -> None:
         super().__init__(name, inputs)
-        self.graph_module = trace(fn, inputs, decompositions)
+        # `runs_later` (made on a thread of its own while steps use the inputs): traced on
+        # fakes, and nothing runs over the inputs until finish().
+        self.graph_module = trace(fn, inputs, decompositions, on_fakes=runs_later)
         # A compiled graph returns a list even for one tensor; give back what fn returns.
         self._single_output = _returns_one(self.graph_module)
         self._pending: PendingCompile | None = None
@@ -518,15 +521,21 @@ class CpuGraph(DeviceGraph):
             # finish() waits for it and runs it once, so a failure still shows at start-up.
             # Until then a replay finishes first.
             self._pending = start_inductor_compile(
-                self.graph_module, inputs, inductor_options, bind_next=True
+                self.graph_module, inputs, inductor_options, bind_next=True, runs_later=runs_later
             )
             # A module from the index has run over the inputs already: bound now, its
             # check reuses that run (before the next graph's dummy batch overwrites them).
-            if not defer or self._pending.done:
+            if not runs_later and (not defer or self._pending.done):
                 self.finish()
+        elif runs_later:
+            self._pending = PendingCompile(lambda: self.graph_module)
         else:
             self._bound = functools.partial(self.graph_module, *self.inputs)
             self._run()  # one run now, so a failure shows at start-up
+
+    def wait_built(self) -> None:
+        if self._pending is not None:
+            self._pending.wait_built()
 
     def finish(self) -> None:
         if self._pending is not None:

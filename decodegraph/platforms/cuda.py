@@ -113,7 +113,10 @@ class CudaPlatform(Platform):
         inputs: Sequence[torch.Tensor],
         config: CompilationConfig,
         weak_outputs: bool = False,
+        runs_later: bool = False,
     ) -> DeviceGraph:
+        if runs_later:
+            raise NotImplementedError("a CUDA graph is captured on the thread that steps")
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream()
         return CudaGraph(

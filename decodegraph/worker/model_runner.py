@@ -262,13 +262,14 @@ class ModelRunner:
         and padded key): every rank runs it, or refuses the step if its own graphs say
         otherwise (no rank ever replays while another runs eager).
 
-        After the batch, where the dynamic decode graph made in the background is ready,
-        it is run once and serves from the next step (its output says so). Its modules
-        run with no trace anywhere in the process (platforms/base.py: module_call_lock:
-        a step waits while the dynamic decode graph is traced, not while it compiles)."""
+        After the batch, each graph made in the background since (the dynamic decode
+        graph, a decode size made on demand) is run once and serves from the next step
+        (the output says which). Its modules run with no trace anywhere in the process
+        (platforms/base.py: module_call_lock: a step waits while a graph is traced in the
+        background, not while it compiles)."""
         with module_call_lock:
             output = self._execute_batch(so, plan)
-            output.dynamic_decode_rows = self._finish_background_graph()
+            output.dynamic_decode_rows, output.decode_sizes_made = self._finish_background_graphs()
         return output
 
     def _execute_batch(self, so: SchedulerOutput, plan: StepPlan | None) -> ModelRunnerOutput:
@@ -285,19 +286,23 @@ class ModelRunner:
         return output
 
     @_in_inference_mode
-    def wait_for_background_graph(self) -> tuple[int, int] | None:
-        """Between steps: wait for the dynamic decode graph being made in the background,
-        where one is, and run it once; the rows it serves from now on, or None."""
+    def wait_for_background_graph(self) -> tuple[tuple[int, int] | None, list[int]]:
+        """Between steps: wait for the graphs being made in the background, where any are,
+        and run each once; what `_finish_background_graphs` returns."""
         self.graph_runner.join_background_build()  # holding no lock its trace needs
         with module_call_lock:
-            return self._finish_background_graph()
+            return self._finish_background_graphs()
 
-    def _finish_background_graph(self) -> tuple[int, int] | None:
-        """Where the dynamic decode graph made in the background is ready, run it once
-        (the caller holds module_call_lock): the rows it serves from now on; else None."""
-        if self.graph_runner.finish_background_build(self._prepare_dummy):
-            return self.graph_runner.dynamic_rows
-        return None
+    def _finish_background_graphs(self) -> tuple[tuple[int, int] | None, list[int]]:
+        """Each graph made in the background and ready now, run once (the caller holds
+        module_call_lock): the rows the dynamic decode graph serves from now on, where it
+        is one of them (else None), and the decode sizes made on demand among them."""
+        made = self.graph_runner.finish_background_build(self._prepare_dummy)
+        if not made:
+            return None, []
+        dynamic = self.graph_runner.dynamic_key
+        rows = self.graph_runner.dynamic_rows if dynamic in made else None
+        return rows, [key.num_tokens for key in made if key != dynamic]
 
     def _execute_greedy_multi_step(
         self, so: SchedulerOutput, plan: StepPlan | None

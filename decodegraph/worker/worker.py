@@ -190,7 +190,7 @@ class Worker:
         out = self.runner.execute_model(so, plan)
         return out if self.rank == 0 else None
 
-    def wait_for_background_graph(self) -> tuple[int, int] | None:
+    def wait_for_background_graph(self) -> tuple[tuple[int, int] | None, list[int]]:
         return self.runner.wait_for_background_graph()
 
     def shutdown(self) -> None:

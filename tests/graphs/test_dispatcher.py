@@ -226,3 +226,30 @@ def test_dynamic_decode_needs_rows_above_the_sizes_and_at_least_two() -> None:
     assert d.dynamic_decode_rows == (2, 32)
     assert d.dispatch(_decode(1)) == (R.NONE, _decode(1))
     assert CudagraphDispatcher(M.FULL_DECODE_ONLY, SIZES, 40).dynamic_decode_rows is None
+
+
+def test_a_deferred_decode_size_pads_no_batch_until_made() -> None:
+    """Until a deferred size's graph is made, its batches pad to the smallest larger size
+    that is made, or run eagerly; mixed batches keep their piecewise keys."""
+    d = CudagraphDispatcher(M.FULL_AND_PIECEWISE, [1, 4, 8], max_num_reqs=8)
+    d.defer_decode_sizes([4, 8])
+    assert d.made_decode_sizes == [1]
+    assert d.dispatch(_decode(1)) == (R.FULL, _decode(1))
+    # No full decode graph above 1 yet: the mixed mode's piecewise graph takes it.
+    assert d.dispatch(_decode(3)) == (R.PIECEWISE, BatchDescriptor(4, None, False))
+    assert d.planned_decode_size(3) == 4 and d.padded_decode_size(3) is None
+    d.decode_size_made(8)
+    assert d.dispatch(_decode(3)) == (R.FULL, _decode(8))  # the larger made size
+    d.decode_size_made(4)
+    assert d.made_decode_sizes == [1, 4, 8]
+    assert d.dispatch(_decode(3)) == (R.FULL, _decode(4))
+    assert d.dispatch(_mixed(6, 2)) == (R.PIECEWISE, BatchDescriptor(8, None, False))
+
+
+def test_a_deferred_decode_size_runs_eagerly_where_no_larger_graph_is_made() -> None:
+    d = CudagraphDispatcher(M.FULL_DECODE_ONLY, [1, 4, 8], max_num_reqs=8)
+    d.defer_decode_sizes([4, 8])
+    assert d.dispatch(_decode(2)) == (R.NONE, _decode(2))
+    assert d.dispatch(_decode(8)) == (R.NONE, _decode(8))
+    d.decode_size_made(3)  # not a capture size: nothing changes
+    assert d.made_decode_sizes == [1]

@@ -604,6 +604,23 @@ def test_graphs_cli_says_the_default_dynamic_decode_graph_is_made_when_first_nee
     assert _dynamic_decode_line(report) == (
         "3 to 256 requests, made in the background when a batch first needs it (not needed yet)"
     )
+    assert report["decode_sizes_on_demand"] == {}  # listed sizes: made at start-up
+
+
+def test_graphs_cli_lists_the_default_sizes_made_on_demand(stories_dir: Path) -> None:
+    from decodegraph.entrypoints.cli import _on_demand_line
+
+    config = {"cudagraph_mode": "full_decode_only", "use_inductor": False}
+    report = _graphs_cli(
+        str(stories_dir), "--max-model-len", "64", "--compilation-config", json.dumps(config)
+    )
+    assert report["capture_sizes"] == [1, 4, 8] and report["num_graphs"] == 1
+    # (JSON keys are strings)
+    assert report["decode_sizes_on_demand"] == {"4": "not needed yet", "8": "not needed yet"}
+    assert _on_demand_line(report) == (
+        "4 (not needed yet), 8 (not needed yet): made in the background when a batch first "
+        "needs each"
+    )
 
 
 def test_graphs_cli_prints_mode_sizes_count_time_and_memory(stories_dir: Path) -> None:

@@ -453,8 +453,8 @@ def test_the_engine_steps_while_the_dynamic_decode_graph_is_traced_and_compiled(
     prompts = [[1, 40 + i, 50 + i] for i in range(8)]
     want = _greedy(eager_llm, prompts)
     graph_runner.dispatch(8, 8, True)  # the build starts now, and steps follow at once
-    build = graph_runner._background
-    assert build is not None and build.thread is not None
+    build = graph_runner._background[graph_runner.dynamic_key]
+    assert build.thread is not None
     rounds = 0
     while build.thread.is_alive() and rounds < 100:
         assert _greedy(llm, prompts) == want
@@ -495,8 +495,8 @@ def test_the_background_build_writes_nothing_the_steps_use(stories_dir: Path) ->
     before = [t.clone() for t in (buffers.input_ids.gpu, buffers.positions.gpu)]
     caches = [t.clone() for pair in runner.attn_backend.kv_caches for t in pair]
     graph_runner.dispatch(6, 6, True)  # a batch for the dynamic graph: the build starts
-    build = graph_runner._background
-    assert build is not None and build.thread is not None
+    build = graph_runner._background[graph_runner.dynamic_key]
+    assert build.thread is not None
     build.thread.join()
     assert build.error is None and build.graph is not None
     assert torch.equal(buffers.input_ids.gpu, before[0])
@@ -504,7 +504,7 @@ def test_the_background_build_writes_nothing_the_steps_use(stories_dir: Path) ->
     assert (slots == np.arange(16, 16 + len(slots))).all()
     after = [t for pair in runner.attn_backend.kv_caches for t in pair]
     assert all(torch.equal(a, b) for a, b in zip(after, caches, strict=True))
-    assert graph_runner.finish_background_build(runner._prepare_dummy)
+    assert graph_runner.finish_background_build(runner._prepare_dummy) == [graph_runner.dynamic_key]
     assert graph_runner.dispatcher.dynamic_decode_rows == (5, 8)
 
 
@@ -537,13 +537,152 @@ def test_closing_the_runner_stops_a_background_build(stories_dir: Path) -> None:
     llm = _default_llm(stories_dir, use_inductor=False)
     graph_runner = llm.llm_engine.runner.graph_runner
     graph_runner.dispatch(8, 8, True)
-    build = graph_runner._background
-    assert build is not None and build.thread is not None
+    build = graph_runner._background[graph_runner.dynamic_key]
+    assert build.thread is not None
     graph_runner.close()
     assert not build.thread.is_alive() and build.cancelled
-    assert graph_runner._background is None
-    assert not graph_runner.finish_background_build(llm.llm_engine.runner._prepare_dummy)
+    assert graph_runner._background == {}
+    assert graph_runner.finish_background_build(llm.llm_engine.runner._prepare_dummy) == []
     assert graph_runner.dispatcher.dynamic_decode_rows is None
+
+
+# ---------------------------------------------------------------- decode sizes on demand
+
+
+def _on_demand_llm(stories_dir: Path, **compilation: object) -> LLM:
+    """FULL_DECODE_ONLY at max_num_seqs 8 (no dynamic decode graph: no rows above 8)."""
+    return LLM(
+        str(stories_dir),
+        compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", **compilation},
+        max_model_len=128,
+        max_num_seqs=8,
+    )
+
+
+def test_unset_the_default_sizes_above_one_are_made_when_a_batch_first_needs_them(
+    stories_dir: Path, eager_llm: LLM
+) -> None:
+    """Start-up makes the 1-request graph only; a batch of 2-4 requests sets the 4-request
+    graph building (eager meanwhile), 5-8 the 8-request one; each serves from the step
+    after it is made, in both dispatchers. Ids equal the eager engine's throughout."""
+    llm = _on_demand_llm(stories_dir)
+    core = llm.llm_engine.engine_core
+    graph_runner = llm.llm_engine.runner.graph_runner
+    stats = graph_runner.stats
+    assert graph_runner.capture_sizes == [1, 4, 8] and graph_runner.on_demand_sizes == [4, 8]
+    assert stats.num_graphs == 1
+    assert stats.on_demand_builds == {4: "not needed yet", 8: "not needed yet"}
+    assert core.dispatcher.made_decode_sizes == graph_runner.dispatcher.made_decode_sizes == [1]
+
+    assert _greedy(llm, PROMPTS) == _greedy(eager_llm, PROMPTS)  # 3, 2, then 1 request
+    assert stats.on_demand_builds[4] in ("building", "ready")
+    assert stats.on_demand_builds[8] == "not needed yet"
+    core.wait_for_background_graph()
+    assert stats.on_demand_builds[4] == "ready" and stats.num_graphs == 2
+    assert core.dispatcher.made_decode_sizes == graph_runner.dispatcher.made_decode_sizes == [1, 4]
+    eager_steps = graph_runner.mode_counts[("decode", "NONE")]
+    assert _greedy(llm, PROMPTS) == _greedy(eager_llm, PROMPTS)
+    assert graph_runner.mode_counts[("decode", "NONE")] == eager_steps  # all on graphs now
+    assert graph_runner.graphs[(RuntimeMode.FULL, BatchDescriptor(4, 4, True))].num_replays > 0
+
+    prompts = [[1, 20 + i, 30 + i] for i in range(8)]
+    assert _greedy(llm, prompts) == _greedy(eager_llm, prompts)
+    core.wait_for_background_graph()
+    assert stats.on_demand_builds == {4: "ready", 8: "ready"} and stats.num_graphs == 3
+    assert core.dispatcher.made_decode_sizes == [1, 4, 8]
+    eager_steps = graph_runner.mode_counts[("decode", "NONE")]
+    assert _greedy(llm, prompts) == _greedy(eager_llm, prompts)
+    assert graph_runner.mode_counts[("decode", "NONE")] == eager_steps
+
+
+def test_a_batch_pads_to_a_larger_made_size_while_its_own_is_not_made(
+    stories_dir: Path, eager_llm: LLM
+) -> None:
+    llm = _on_demand_llm(stories_dir)
+    core = llm.llm_engine.engine_core
+    graph_runner = llm.llm_engine.runner.graph_runner
+    prompts = [[1, 20 + i, 30 + i] for i in range(8)]
+    assert _greedy(llm, prompts) == _greedy(eager_llm, prompts)  # 8 requests: size 8
+    core.wait_for_background_graph()
+    assert graph_runner.stats.on_demand_builds == {4: "not needed yet", 8: "ready"}
+    full_8 = graph_runner.graphs[(RuntimeMode.FULL, BatchDescriptor(8, 8, True))]
+    replays = full_8.num_replays
+    assert _greedy(llm, PROMPTS) == _greedy(eager_llm, PROMPTS)  # 3 requests: size 4 builds
+    assert full_8.num_replays > replays  # the 8-request graph served them meanwhile
+    assert graph_runner.stats.on_demand_builds[4] in ("building", "ready")
+
+
+def test_a_decode_size_made_on_demand_writes_nothing_the_steps_use(stories_dir: Path) -> None:
+    """Its trace runs on fakes and its compile runs nothing (a module from the index
+    included): the buffers a step wrote and the KV caches are as they were until the
+    engine's thread finishes the graph between steps."""
+    llm = _on_demand_llm(stories_dir)
+    runner = llm.llm_engine.runner
+    graph_runner, buffers = runner.graph_runner, runner.buffers
+    buffers.input_ids.np[:] = 7
+    buffers.positions.np[:] = 3
+    slots = buffers.kv_groups[0].slot_mapping.np
+    slots[:] = np.arange(16, 16 + len(slots))  # live slots of block 1 on
+    before = [t.clone() for t in (buffers.input_ids.gpu, buffers.positions.gpu)]
+    caches = [t.clone() for pair in runner.attn_backend.kv_caches for t in pair]
+    graph_runner.dispatch(3, 3, True)  # a batch for the 4-request graph: its build starts
+    build = graph_runner._background[BatchDescriptor(4, 4, True)]
+    assert build.thread is not None
+    build.thread.join()
+    assert build.error is None and build.graph is not None
+    assert torch.equal(buffers.input_ids.gpu, before[0])
+    assert torch.equal(buffers.positions.gpu, before[1])
+    assert (slots == np.arange(16, 16 + len(slots))).all()
+    after = [t for pair in runner.attn_backend.kv_caches for t in pair]
+    assert all(torch.equal(a, b) for a, b in zip(after, caches, strict=True))
+    assert graph_runner.finish_background_build(runner._prepare_dummy) == [
+        BatchDescriptor(4, 4, True)
+    ]
+    assert graph_runner.dispatcher.made_decode_sizes == [1, 4]
+
+
+@pytest.mark.parametrize(
+    ("compilation", "made_at_start"),
+    [
+        ({"cudagraph_capture_sizes": [1, 2, 4]}, [1, 2, 4]),  # listed: all at start-up
+        ({"cudagraph_capture_sizes": [1, 2, 4], "decode_graphs_on_demand": True}, [1]),
+        ({"decode_graphs_on_demand": False}, [1, 4, 8]),
+        ({"cudagraph_mode": "PIECEWISE"}, [1, 4, 8]),  # no full decode graphs to defer
+    ],
+)
+def test_which_sizes_start_up_makes(
+    stories_dir: Path, compilation: dict, made_at_start: list[int]
+) -> None:
+    llm = _on_demand_llm(stories_dir, use_inductor=False, **compilation)
+    assert llm.llm_engine.engine_core.dispatcher.made_decode_sizes == made_at_start
+    graph_runner = llm.llm_engine.runner.graph_runner
+    assert graph_runner.dispatcher.made_decode_sizes == made_at_start
+    assert graph_runner.on_demand_sizes == [
+        s for s in graph_runner.capture_sizes if s not in made_at_start
+    ]
+
+
+def test_on_demand_under_tensor_parallelism_is_refused_with_the_reason(
+    stories_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank would have to switch in the same step: a rank of two makes every size at
+    start-up, and `true` says why."""
+    runner = _on_demand_llm(stories_dir, use_inductor=False).llm_engine.runner
+    one = runner.graph_runner
+
+    def rank_of_two(on_demand: bool | None) -> GraphRunner:
+        config = runner.config
+        config.compilation_config.decode_graphs_on_demand = on_demand
+        return GraphRunner(
+            config, one.platform, one.buffers, one.attn_groups, one._eager_context, 0, 2
+        )
+
+    unset = rank_of_two(None)
+    unset.resolve()
+    assert unset.on_demand_sizes == [] and unset.dispatcher.made_decode_sizes == [1, 4, 8]
+    with caplog.at_level("WARNING", logger="decodegraph.graphs.graph_runner"):
+        rank_of_two(True).resolve()
+    assert "decode_graphs_on_demand: under tensor parallelism" in caplog.text
 
 
 def test_unset_under_tensor_parallelism_there_is_no_dynamic_decode_graph(

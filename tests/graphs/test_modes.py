@@ -47,20 +47,25 @@ def test_compilation_config_parses_the_mode_case_insensitively() -> None:
     assert json_config.cudagraph_mode is CUDAGraphMode.PIECEWISE
 
 
-@pytest.mark.parametrize("value", [True, False, None])
-def test_compilation_config_takes_dynamic_decode_graph_as_a_bool_or_unset(
-    value: bool | None,
-) -> None:
-    config = CompilationConfig.from_any({"dynamic_decode_graph": value})
-    assert config.dynamic_decode_graph is value
-    # Unset by default: made in the background where one rank needs it.
-    assert CompilationConfig().dynamic_decode_graph is None
-
-
 @pytest.mark.parametrize("bad", ["yes", 1, [True], "null"])
 def test_compilation_config_names_a_bad_dynamic_decode_graph(bad: object) -> None:
     with pytest.raises(ValueError, match="compilation_config.dynamic_decode_graph"):
         CompilationConfig(dynamic_decode_graph=bad)
+
+
+@pytest.mark.parametrize("field", ["dynamic_decode_graph", "decode_graphs_on_demand"])
+@pytest.mark.parametrize("value", [True, False, None])
+def test_compilation_config_takes_the_background_graph_fields_as_a_bool_or_unset(
+    field: str, value: bool | None
+) -> None:
+    assert getattr(CompilationConfig.from_any({field: value}), field) is value
+    assert getattr(CompilationConfig(), field) is None  # the default: unset
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, [True], "null"])
+def test_compilation_config_names_a_bad_decode_graphs_on_demand(bad: object) -> None:
+    with pytest.raises(ValueError, match="^compilation_config.decode_graphs_on_demand: must"):
+        CompilationConfig(decode_graphs_on_demand=bad)
 
 
 def test_compilation_config_rejects_a_bad_mode_listing_the_valid_ones() -> None:
