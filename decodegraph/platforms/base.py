@@ -12,6 +12,7 @@ then resolves to NONE, with a warning (graphs/modes.py).
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,12 +28,64 @@ GraphFn = Callable[..., Any]
 # built on a thread of its own (graphs/graph_runner.py) while another engine in the same
 # process starts up.
 graph_build_lock = threading.RLock()
+
+
+class FairRLock:
+    """A reentrant lock that passes, on release, to the threads already waiting for it,
+    in the order they came: a thread that takes it again at once (an engine stepping
+    back to back) waits its turn behind them. threading.RLock promises no order, and
+    its releasing thread usually wins, so a thread that waits for it beside such a loop
+    can wait as long as the loop runs."""
+
+    def __init__(self) -> None:
+        self._state = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._waiting: deque[int] = deque()
+
+    def acquire(self) -> bool:
+        me = threading.get_ident()
+        with self._state:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            if self._owner is not None or self._waiting:
+                self._waiting.append(me)
+                while self._owner is not None or self._waiting[0] != me:
+                    self._state.wait()
+                self._waiting.popleft()
+            self._owner, self._depth = me, 1
+            return True
+
+    def release(self) -> None:
+        with self._state:
+            if self._owner != threading.get_ident():
+                raise RuntimeError("FairRLock released by a thread that does not hold it")
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                if self._waiting:
+                    self._state.notify_all()
+
+    def num_waiting(self) -> int:
+        """How many threads wait for the lock now."""
+        with self._state:
+            return len(self._waiting)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 # Held wherever a model's modules run or are traced. While make_fx traces, it patches
 # torch.nn.Module's __call__ and __getattr__ for the whole process, so a module called
 # on another thread meanwhile would go through the tracer: a trace holds this lock, and
 # so does each of an engine's steps (worker/model_runner.py). Taken after
-# graph_build_lock where a thread takes both.
-module_call_lock = threading.RLock()
+# graph_build_lock where a thread takes both. Fair, so that a graph traced in the
+# background gets it at the next step's start, not when the engine next idles.
+module_call_lock = FairRLock()
 
 
 def trace(

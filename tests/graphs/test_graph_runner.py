@@ -595,6 +595,25 @@ def test_unset_the_default_sizes_above_one_are_made_when_a_batch_first_needs_the
     assert graph_runner.mode_counts[("decode", "NONE")] == eager_steps
 
 
+def test_a_size_asked_for_in_a_batch_serves_that_batch_while_it_steps_back_to_back(
+    stories_dir: Path, eager_llm: LLM
+) -> None:
+    """The build's trace waits for the lock every step holds (platforms/base.py:
+    module_call_lock); that lock goes to it at the next step's start, so the graph is
+    made and serves the batch that asked for it, not only the batches after it."""
+    llm = _on_demand_llm(stories_dir, use_inductor=False)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    prompts = [[1, 20 + i, 30 + i] for i in range(4)]
+    params = [greedy(120) for _ in prompts]
+    want = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert graph_runner.stats.on_demand_builds[4] == "ready"
+    assert (
+        graph_runner.mode_counts[("decode", "FULL")] > graph_runner.mode_counts[("decode", "NONE")]
+    )
+
+
 def test_a_batch_pads_to_a_larger_made_size_while_its_own_is_not_made(
     stories_dir: Path, eager_llm: LLM
 ) -> None:

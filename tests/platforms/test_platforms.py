@@ -10,6 +10,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +30,7 @@ from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.loader import get_model, load_hf_config
 from decodegraph.platforms import get_platform, platform_names
-from decodegraph.platforms.base import Platform
+from decodegraph.platforms.base import FairRLock, Platform
 from decodegraph.platforms.cpu import CpuPlatform
 from decodegraph.platforms.cuda import CudaPlatform, unowned
 from tests.utils.platforms import NoGraphCpuPlatform, registered_backend, registered_platform
@@ -146,6 +148,50 @@ def test_the_base_platform_has_no_graphs_and_names_no_backend() -> None:
 def test_cpu_kv_cache_budget_is_positive_and_bounded() -> None:
     budget = CpuPlatform().available_kv_cache_memory(0.9, 0)
     assert 0 < budget <= 4 << 30
+
+
+def test_the_fair_lock_goes_to_a_waiting_thread_before_its_holder_takes_it_again() -> None:
+    """The engine's steps take module_call_lock back to back; a trace in the background
+    that waits for it goes first."""
+    lock, order = FairRLock(), []
+
+    def wait_for_it() -> None:
+        with lock:
+            order.append("waiting thread")
+
+    lock.acquire()
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while lock.num_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert lock.num_waiting() == 1
+    lock.release()
+    with lock:  # at once, as the next step does
+        order.append("holder")
+    waiter.join()
+    assert order == ["waiting thread", "holder"]
+
+
+def test_the_fair_lock_is_reentrant_and_refuses_a_release_by_another_thread() -> None:
+    lock = FairRLock()
+    with lock, lock:
+        errors = []
+
+        def release() -> None:
+            try:
+                lock.release()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        other = threading.Thread(target=release)
+        other.start()
+        other.join()
+    assert errors == ["FairRLock released by a thread that does not hold it"]
+    with pytest.raises(RuntimeError, match="does not hold it"):
+        lock.release()
+    assert lock.acquire() and lock.num_waiting() == 0
+    lock.release()
 
 
 # ---------------------------------------------------------------- resolution on an engine
