@@ -28,6 +28,12 @@ directory is keyed by source, flags and CPU but not by checkout, so trees sharin
 would rebuild each other's operators in the timed runs. "cpu" is the CPU seconds of the
 run and of the compilers it started, which a shared machine's load moves less than the
 wall time.
+
+`--batch-after 4 128` also times, after the first token, a batch of 4 greedy requests
+of 128 tokens and then the same batch again: with decode sizes made on demand, the
+first such batch sets the 4-request graph building and runs beside its build. The run
+then waits for that build (untimed), so that its warm run starts from a cache holding
+it.
 """
 
 from __future__ import annotations
@@ -81,9 +87,21 @@ t2 = time.perf_counter()
 llm.generate([{"prompt_token_ids": [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
 t3 = time.perf_counter()
 launched = float(os.environ["BENCH_LAUNCHED_AT"])
-print("RESULT " + json.dumps({
+result = {
     "import": t1 - t0, "engine": t2 - t1, "first token": t3 - t2, "ready": time.time() - launched
-}))
+}
+if os.environ.get("BENCH_BATCH"):
+    n, tokens = (int(x) for x in os.environ["BENCH_BATCH"].split(","))
+    prompts = [{"prompt_token_ids": [1, 10 + i]} for i in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for name in ("batch", "batch again"):
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        result[name] = time.perf_counter() - t
+    # Untimed: whatever graph the batch set building is made, so that a warm run's
+    # cache holds what its cold run would have left after running a while.
+    llm.llm_engine.engine_core.wait_for_background_graph()
+print("RESULT " + json.dumps(result))
 """
 
 
@@ -118,13 +136,17 @@ def _mid_checkpoint(mid_dir: Path) -> Path:
     return peers.make_mid_checkpoint(mid_dir / "qwen2.5-0.5b-float32", torch.float32)
 
 
-def _run(command: list[str], cache_dir: str, tree: Path, xdg: Path) -> dict[str, float]:
+def _run(
+    command: list[str], cache_dir: str, tree: Path, xdg: Path, batch: list[int] | None
+) -> dict[str, float]:
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": cache_dir,
         "PYTHONPATH": str(tree),
         "XDG_CACHE_HOME": str(xdg),
     }
+    if batch:
+        env["BENCH_BATCH"] = f"{batch[0]},{batch[1]}"
     start = time.perf_counter()
     cpu_before = _children_cpu()
     env["BENCH_LAUNCHED_AT"] = repr(time.time())
@@ -199,8 +221,19 @@ def main() -> int:
         help="also start from another source tree (e.g. the commit before a change), "
         "interleaved with this one in every round",
     )
+    parser.add_argument(
+        "--batch-after",
+        nargs=2,
+        type=int,
+        metavar=("REQUESTS", "TOKENS"),
+        help="after the first token, time a batch of REQUESTS greedy requests of TOKENS "
+        "tokens each, then the same batch again (columns 'batch', 'batch again'; not in "
+        "the demo case): what a batch that needs a graph not made at start-up waits",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.batch_after and min(args.batch_after) < 1:
+        parser.error("--batch-after: REQUESTS and TOKENS must be at least 1")
 
     trees = {"current": REPO}
     for spec in args.tree:
@@ -225,7 +258,8 @@ def main() -> int:
                     runs = results.setdefault(label, {"cold": [], "warm": []})
                     command = _case_command(case, model_dir, checkpoint)
                     for kind in ("cold", "warm"):
-                        runs[kind].append(_run(command, cache, tree, xdg[name]))
+                        batch = args.batch_after if case != "demo" else None
+                        runs[kind].append(_run(command, cache, tree, xdg[name], batch))
                         row = runs[kind][-1]
                         print(
                             f"round {r + 1} {label} {kind}: {row['total']:.1f} s "
@@ -234,7 +268,8 @@ def main() -> int:
                         )
 
     columns = [
-        "total", "ready", "cpu", "import", "engine", "load", "profile", "KV cache", "capture", "first token"
+        "total", "ready", "cpu", "import", "engine", "load", "profile", "KV cache", "capture",
+        "first token", "batch", "batch again",
     ]  # fmt: skip
     print(f"\nmedians of {args.rounds} round(s), seconds (cpu: CPU seconds, compilers included)")
     width = max(22, *(len(label) + 2 for label in results))
@@ -244,7 +279,7 @@ def main() -> int:
         for kind, rows in runs.items():
             med = {c: statistics.median(row[c] for row in rows) for c in columns if c in rows[0]}
             summary.setdefault(case, {})[kind] = med
-            cells = "".join(f"{med[c]:>12.1f}" if c in med else f"{'-':>12}" for c in columns)
+            cells = "".join(f"{med[c]:>12.2f}" if c in med else f"{'-':>12}" for c in columns)
             print(f"{case:<{width}}{kind:<7}{cells}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
