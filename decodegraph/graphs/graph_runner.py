@@ -41,6 +41,7 @@ from decodegraph.forward_context import (
 )
 from decodegraph.gc_utils import frozen_heap
 from decodegraph.graphs.dispatcher import CudagraphDispatcher, StepPlan, StepPlanError, in_rows
+from decodegraph.graphs.forked_build import forked_builds_enabled, run_forked
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
 from decodegraph.graphs.multi_step import multi_step_forward
 from decodegraph.graphs.piecewise import PiecewiseGraph
@@ -474,7 +475,7 @@ class GraphRunner:
         on a thread of its own when the first batch needs it (`dispatch`)."""
         params_id, context = self._new_full_params(key, prepare_dummy)
         self._background[key] = _BackgroundBuild(
-            key, self._forward_fn(model, logits=True), params_id, context
+            key, self._forward_fn(model, logits=True), params_id, context, prepare_dummy
         )
 
     def _request_build(self, build: _BackgroundBuild) -> None:
@@ -509,18 +510,16 @@ class GraphRunner:
     def _make_in_background(self, build: _BackgroundBuild) -> None:
         start = time.perf_counter()
         try:
+            if (
+                self.platform.supports_forked_builds
+                and self.compilation_config.use_inductor
+                and forked_builds_enabled()
+            ):
+                # The compile in a forked copy, off this process's GIL; what follows here
+                # then loads its module from the index (graphs/forked_build.py).
+                build.forked = run_forked(lambda: self._build_in_child(build), build.is_cancelled)
             with set_forward_context(build.context):
-                if build.key == self.dynamic_key:
-                    graph = self._make_dynamic_graph(build.fn, runs_later=True)  # logs a failure
-                else:
-                    graph = self.platform.make_graph(
-                        f"{RuntimeMode.FULL.name}{build.key.label()}",
-                        build.fn,
-                        self.graph_inputs(RuntimeMode.FULL, build.key),
-                        self.compilation_config,
-                        weak_outputs=True,
-                        runs_later=True,
-                    )
+                graph = self._make_background_graph(build)
                 if graph is not None and not build.cancelled:
                     graph.wait_built()
                     build.graph = graph
@@ -528,6 +527,31 @@ class GraphRunner:
             build.error = e
         build.seconds = time.perf_counter() - start
         build.done = True
+
+    def _make_background_graph(self, build: _BackgroundBuild) -> DeviceGraph | None:
+        if build.key == self.dynamic_key:
+            return self._make_dynamic_graph(build.fn, runs_later=True)  # logs a failure
+        return self.platform.make_graph(
+            f"{RuntimeMode.FULL.name}{build.key.label()}",
+            build.fn,
+            self.graph_inputs(RuntimeMode.FULL, build.key),
+            self.compilation_config,
+            weak_outputs=True,
+            runs_later=True,
+        )
+
+    def _build_in_child(self, build: _BackgroundBuild) -> bool:
+        """In the forked child: the build, and the run over a dummy batch that the engine's
+        thread would do (`_finish_build`), in the child's own copy of the buffers."""
+        with set_forward_context(build.context):
+            graph = self._make_background_graph(build)
+        if graph is None:
+            return False
+        graph.wait_built()
+        build.prepare_dummy(RuntimeMode.FULL, build.key)
+        with torch.inference_mode(), set_forward_context(build.context):
+            graph.finish()
+        return True
 
     def join_background_build(self) -> None:
         """Wait until the graphs asked for in the background are made, where any are."""
@@ -579,16 +603,18 @@ class GraphRunner:
         if dynamic:
             self.dispatcher.dynamic_decode_rows = self.stats.dynamic_decode_rows = self.dynamic_rows
             logger.info(
-                "dynamic decode graph for %d-%d requests made in the background in %.1f s",
+                "dynamic decode graph for %d-%d requests made in the background in %.1f s%s",
                 *self.dynamic_rows,
                 build.seconds,
+                " (compiled in a forked process)" if build.forked else "",
             )
         else:
             self.dispatcher.decode_size_made(key.num_tokens)
             logger.info(
-                "graph for %d-request decode batches made in the background in %.1f s",
+                "graph for %d-request decode batches made in the background in %.1f s%s",
                 key.num_tokens,
                 build.seconds,
+                " (compiled in a forked process)" if build.forked else "",
             )
         return True
 
@@ -755,11 +781,15 @@ class _BackgroundBuild:
         fn: Callable[..., Any],
         params_id: int,
         context: ForwardContext,
+        prepare_dummy: PrepareDummy,
     ) -> None:
         self.key = key
         self.fn = fn
         self.params_id = params_id
         self.context = context
+        self.prepare_dummy = prepare_dummy
+        # Whether a forked child compiled it first (graphs/forked_build.py).
+        self.forked = False
         # The thread that makes it, once a batch asked for it.
         self.thread: threading.Thread | None = None
         self.graph: DeviceGraph | None = None
@@ -768,3 +798,6 @@ class _BackgroundBuild:
         # Set last, by the thread: graph or error and seconds are final.
         self.done = False
         self.seconds = 0.0
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled

@@ -285,6 +285,10 @@ class Platform:
     # while another thread steps (`runs_later`): the graph runner then makes the larger
     # decode sizes when a batch first needs them (graphs/graph_runner.py).
     supports_background_graphs: ClassVar[bool] = False
+    # Whether such a graph's compile can run first in a forked copy of the process, off
+    # the GIL the steps need (graphs/forked_build.py): a graph whose compiled module a
+    # cache on disk keeps, so that the thread then only loads it.
+    supports_forked_builds: ClassVar[bool] = False
     # The attention backend's name (attention/selector.py); DECODEGRAPH_ATTENTION_BACKEND
     # overrides it.
     default_attention_backend: ClassVar[str | None] = None

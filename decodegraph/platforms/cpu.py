@@ -64,6 +64,7 @@ class CpuPlatform(Platform):
     supports_graphs: ClassVar[bool] = True
     supports_dynamic_graphs: ClassVar[bool] = True
     supports_background_graphs: ClassVar[bool] = True
+    supports_forked_builds: ClassVar[bool] = True
     default_attention_backend: ClassVar[str | None] = "CPU_TORCH"
     # Each CPU graph is compiled by Inductor (seconds per size, plus a one-time set-up
     # in a process with a cold cache), so few sizes keep a cold start short. No 2: a

@@ -37,6 +37,16 @@ _ENTRY_IMPL_SYMBOL = "_Z19inductor_entry_implPP16AtenTensorOpaqueS1_"
 _build_pool: ThreadPoolExecutor | None = None
 
 
+def _forget_build_pool() -> None:
+    """In a forked child (graphs/forked_build.py): the pool's threads were not copied."""
+    global _build_pool
+    _build_pool = None
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_build_pool)
+
+
 @contextlib.contextmanager
 def cpp_builds_in_background() -> Iterator[None]:
     """While active, a C++ wrapper module that Inductor loads submits its compiler runs

@@ -7,6 +7,7 @@ graph (batches above the capture sizes), and its fallback where it cannot be mad
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import numpy as np
@@ -612,6 +613,50 @@ def test_a_size_asked_for_in_a_batch_serves_that_batch_while_it_steps_back_to_ba
     assert (
         graph_runner.mode_counts[("decode", "FULL")] > graph_runner.mode_counts[("decode", "NONE")]
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("forked", [True, False])
+def test_a_size_made_on_demand_is_compiled_in_a_forked_child_and_loaded_here(
+    stories_dir: Path,
+    eager_llm: LLM,
+    forked: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """From a cold Inductor cache: the child compiles and enters the module in the
+    index, and this process only loads it (Inductor compiles nothing here); with
+    DECODEGRAPH_FORKED_GRAPH_BUILDS=0 the build thread compiles it. Ids equal the eager
+    engine's either way (graphs/forked_build.py)."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from decodegraph.graphs.forked_build import FORKED_BUILDS_ENV
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv(FORKED_BUILDS_ENV, "1" if forked else "0")
+    llm = _on_demand_llm(stories_dir)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    build = graph_runner._background[BatchDescriptor(4, 4, True)]
+    compiles: list[int] = []  # this process's only: a child's appends stay in the child
+    compile_fx = compile_fx_module.compile_fx
+
+    def counted(*args: object, **kwargs: object) -> object:
+        compiles.append(1)
+        return compile_fx(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", counted)
+    prompts = [[1, 20 + i, 30 + i] for i in range(4)]
+    params = [greedy(24) for _ in prompts]
+    want = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    llm.llm_engine.engine_core.wait_for_background_graph()
+    assert graph_runner.stats.on_demand_builds[4] == "ready"
+    assert build.forked is forked and build.error is None
+    assert len(compiles) == (0 if forked else 1)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert graph_runner.graphs[(RuntimeMode.FULL, BatchDescriptor(4, 4, True))].num_replays > 0
 
 
 def test_a_batch_pads_to_a_larger_made_size_while_its_own_is_not_made(
