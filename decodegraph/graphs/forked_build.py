@@ -6,9 +6,11 @@ seconds of it from a cold cache, and they hold the GIL most of the time; a step 
 them lets the GIL go at each operator and waits to get it back, so a small model's eager
 steps run many times slower while a build runs.
 
-`run_forked` runs the same build in a child made by fork: a copy of the process as it
-is (the model, the traced-once state, Inductor already imported and set up), whose only
-thread is the one that forked. The child compiles, runs the graph once over a dummy
+The build thread first makes the graph from the caches only
+(`Platform.cached_graphs_only`: a module an earlier process compiled is loaded, and
+nothing is forked). Where that finds none, `run_forked` runs the same build in a child
+made by fork: a copy of the process as it is (the model, Inductor already imported and
+set up), whose only thread is the one that forked. The child compiles, runs the graph once over a dummy
 batch in its own copy of the buffers (which checks it and enters it in the compiled-graph
 index, platforms/cpu_graph_cache.py) and exits; the parent's thread waits for it without
 the GIL, then makes the graph as before, which now finds Inductor's module in the index

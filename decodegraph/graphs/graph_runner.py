@@ -45,7 +45,7 @@ from decodegraph.graphs.forked_build import forked_builds_enabled, run_forked
 from decodegraph.graphs.modes import CUDAGraphMode, RuntimeMode, explain_cudagraph_mode
 from decodegraph.graphs.multi_step import multi_step_forward
 from decodegraph.graphs.piecewise import PiecewiseGraph
-from decodegraph.platforms.base import DeviceGraph, Platform
+from decodegraph.platforms.base import DeviceGraph, GraphNotCached, Platform
 
 if TYPE_CHECKING:
     from decodegraph.config import EngineConfig
@@ -449,6 +449,8 @@ class GraphRunner:
                 self.compilation_config,
                 runs_later=runs_later,
             )
+        except GraphNotCached:
+            raise
         except Exception as e:  # noqa: BLE001 - any failed trace: run those batches eagerly
             self._no_dynamic_graph(e)
             return None
@@ -510,19 +512,27 @@ class GraphRunner:
     def _make_in_background(self, build: _BackgroundBuild) -> None:
         start = time.perf_counter()
         try:
+            graph = None
             if (
                 self.platform.supports_forked_builds
                 and self.compilation_config.use_inductor
                 and forked_builds_enabled()
             ):
-                # The compile in a forked copy, off this process's GIL; what follows here
-                # then loads its module from the index (graphs/forked_build.py).
-                build.forked = run_forked(lambda: self._build_in_child(build), build.is_cancelled)
-            with set_forward_context(build.context):
-                graph = self._make_background_graph(build)
-                if graph is not None and not build.cancelled:
-                    graph.wait_built()
-                    build.graph = graph
+                try:  # a module some earlier process compiled: loaded, nothing forked
+                    with self.platform.cached_graphs_only(), set_forward_context(build.context):
+                        graph = self._make_background_graph(build)
+                except GraphNotCached:
+                    # The compile in a forked copy, off this process's GIL; made again
+                    # below, the graph then loads its module (graphs/forked_build.py).
+                    build.forked = run_forked(
+                        lambda: self._build_in_child(build), build.is_cancelled
+                    )
+            if graph is None:
+                with set_forward_context(build.context):
+                    graph = self._make_background_graph(build)
+            if graph is not None and not build.cancelled:
+                graph.wait_built()
+                build.graph = graph
         except Exception as e:  # noqa: BLE001 - reported by finish_background_build
             build.error = e
         build.seconds = time.perf_counter() - start

@@ -11,6 +11,7 @@ then resolves to NONE, with a warning (graphs/modes.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -211,6 +212,10 @@ class InputAddressError(RuntimeError):
     """A graph's inputs are not the tensors it was captured over."""
 
 
+class GraphNotCached(LookupError):
+    """Under `Platform.cached_graphs_only`: the graph's compiled module is in no cache."""
+
+
 class DeviceGraph:
     """A function captured once over input tensors it binds.
 
@@ -378,6 +383,12 @@ class Platform:
         a thread of its own while steps run) nothing runs over the tensors `fn` reads
         until `finish`."""
         raise NotImplementedError(f"platform {self.name} has no graphs of dynamic rows")
+
+    def cached_graphs_only(self) -> contextlib.AbstractContextManager[None]:
+        """On this thread, while active: make_graph and make_dynamic_graph make a graph
+        only where its compiled module is cached already, and raise GraphNotCached
+        otherwise, before compiling anything (where `supports_forked_builds`)."""
+        raise NotImplementedError(f"platform {self.name} keeps no compiled graphs")
 
     def before_background_graph(self) -> None:
         """On the thread that steps, before a graph is made on another: whatever

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -19,6 +20,7 @@ from decodegraph.platforms.cpu_graph import (
     CpuGraph,
     DynamicRowsCpuGraph,
     compile_with_inductor,
+    index_only,
     start_vector_isa_probe,
     warm_process_wide_traces,
 )
@@ -185,6 +187,9 @@ class CpuPlatform(Platform):
             self.graph_decompositions(),
             runs_later,
         )
+
+    def cached_graphs_only(self) -> contextlib.AbstractContextManager[None]:
+        return index_only()
 
     def before_background_graph(self) -> None:
         warm_process_wide_traces()

@@ -8,10 +8,11 @@ become trailing inputs of the compiled function, never copies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from decodegraph.platforms import cpu_graph_cache, inductor_static
 from decodegraph.platforms.base import (
     DeviceGraph,
     GraphFn,
+    GraphNotCached,
     graph_build_lock,
     rows_symbolic,
     trace,
@@ -34,6 +36,22 @@ from decodegraph.platforms.inductor_cpp import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Per thread: whether start_inductor_compile may compile (index_only).
+_index_only = threading.local()
+
+
+@contextlib.contextmanager
+def index_only() -> Iterator[None]:
+    """On this thread, while active: start_inductor_compile gives only a module the
+    compiled-graph index holds, and raises GraphNotCached before compiling otherwise
+    (Platform.cached_graphs_only)."""
+    before = getattr(_index_only, "active", False)
+    _index_only.active = True
+    try:
+        yield
+    finally:
+        _index_only.active = before
 
 
 # Inductor's vector-ISA probe, started early by start_vector_isa_probe.
@@ -231,6 +249,8 @@ def start_inductor_compile(
         compiled = from_index()
         if compiled is not None:
             return PendingCompile(lambda: compiled, done=True)
+    if getattr(_index_only, "active", False):
+        raise GraphNotCached(f"compiled-graph entry {key}")
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._guards import TracingContext, tracing

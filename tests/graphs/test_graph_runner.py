@@ -626,8 +626,8 @@ def test_a_size_made_on_demand_is_compiled_in_a_forked_child_and_loaded_here(
 ) -> None:
     """From a cold Inductor cache: the child compiles and enters the module in the
     index, and this process only loads it (Inductor compiles nothing here); with
-    DECODEGRAPH_FORKED_GRAPH_BUILDS=0 the build thread compiles it. Ids equal the eager
-    engine's either way (graphs/forked_build.py)."""
+    DECODEGRAPH_FORKED_GRAPH_BUILDS=0 the build thread compiles it. From a warm one
+    nothing is forked. Ids equal the eager engine's throughout (graphs/forked_build.py)."""
     import torch._inductor.compile_fx as compile_fx_module
 
     from decodegraph.graphs.forked_build import FORKED_BUILDS_ENV
@@ -657,6 +657,14 @@ def test_a_size_made_on_demand_is_compiled_in_a_forked_child_and_loaded_here(
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert graph_runner.graphs[(RuntimeMode.FULL, BatchDescriptor(4, 4, True))].num_replays > 0
+
+    # Another engine on that cache: the module is in the index, so nothing is forked.
+    again = _on_demand_llm(stories_dir)
+    build = again.llm_engine.runner.graph_runner._background[BatchDescriptor(4, 4, True)]
+    assert [o.outputs[0].token_ids for o in again.generate(prompts, params, use_tqdm=False)] == want
+    again.llm_engine.engine_core.wait_for_background_graph()
+    assert build.graph is not None and not build.forked
+    assert len(compiles) == (0 if forked else 1)
 
 
 def test_a_batch_pads_to_a_larger_made_size_while_its_own_is_not_made(
