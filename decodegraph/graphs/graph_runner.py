@@ -527,7 +527,7 @@ class GraphRunner:
                     build.forked = run_forked(
                         lambda: self._build_in_child(build), build.is_cancelled
                     )
-            if graph is None:
+            if graph is None and not build.cancelled:
                 with set_forward_context(build.context):
                     graph = self._make_background_graph(build)
             if graph is not None and not build.cancelled:

@@ -667,6 +667,31 @@ def test_a_size_made_on_demand_is_compiled_in_a_forked_child_and_loaded_here(
     assert len(compiles) == (0 if forked else 1)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_closing_the_runner_stops_a_forked_build_without_compiling_here(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import torch._inductor.compile_fx as compile_fx_module
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    llm = _on_demand_llm(stories_dir)
+    graph_runner = llm.llm_engine.runner.graph_runner
+    compiles: list[int] = []
+    compile_fx = compile_fx_module.compile_fx
+
+    def counted(*args: object, **kwargs: object) -> object:
+        compiles.append(1)
+        return compile_fx(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", counted)
+    graph_runner.dispatch(3, 3, True)  # the 4-request graph's build starts
+    build = graph_runner._background[BatchDescriptor(4, 4, True)]
+    assert build.thread is not None
+    graph_runner.close()
+    assert not build.thread.is_alive() and build.cancelled
+    assert build.graph is None and compiles == []
+
+
 def test_a_batch_pads_to_a_larger_made_size_while_its_own_is_not_made(
     stories_dir: Path, eager_llm: LLM
 ) -> None:
