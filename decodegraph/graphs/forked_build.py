@@ -105,8 +105,7 @@ def _child(work: Callable[[], bool]) -> None:
     except BaseException:  # noqa: BLE001 - any failure: the parent builds for itself
         code = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # No flush: the streams' buffers hold the parent's unwritten output too.
         os._exit(code)
 
 

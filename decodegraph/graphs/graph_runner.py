@@ -148,6 +148,13 @@ class GraphRunner:
         # Uniform decode batch rows -> the planned graph that will serve them, while
         # none has asked for it (a dict lookup a step: its build starts at the first).
         self._unrequested: dict[int, _BackgroundBuild] = {}
+        # Whether their compiles run first in a forked child (graphs/forked_build.py);
+        # read here, so that a bad DECODEGRAPH_FORKED_GRAPH_BUILDS fails the start-up.
+        self._forked_builds = (
+            platform.supports_forked_builds
+            and self.compilation_config.use_inductor
+            and forked_builds_enabled()
+        )
         # (group name, backend) pairs, in a tuple for the per-step loops.
         self._groups = tuple(attn_groups.items())
 
@@ -513,11 +520,7 @@ class GraphRunner:
         start = time.perf_counter()
         try:
             graph = None
-            if (
-                self.platform.supports_forked_builds
-                and self.compilation_config.use_inductor
-                and forked_builds_enabled()
-            ):
+            if self._forked_builds:
                 try:  # a module some earlier process compiled: loaded, nothing forked
                     with self.platform.cached_graphs_only(), set_forward_context(build.context):
                         graph = self._make_background_graph(build)

@@ -91,3 +91,13 @@ def test_the_switch_is_0_or_1_and_names_itself(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(FORKED_BUILDS_ENV, "yes")
     with pytest.raises(ValueError, match=FORKED_BUILDS_ENV):
         forked_builds_enabled()
+
+
+def test_a_bad_switch_fails_the_start_up_naming_it(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from decodegraph.entrypoints.llm import LLM
+
+    monkeypatch.setenv(FORKED_BUILDS_ENV, "true")
+    with pytest.raises(ValueError, match=f"{FORKED_BUILDS_ENV}: must be 0 or 1"):
+        LLM(str(stories_dir), max_model_len=128, max_num_seqs=8)
