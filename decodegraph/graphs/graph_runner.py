@@ -519,18 +519,19 @@ class GraphRunner:
     def _make_in_background(self, build: _BackgroundBuild) -> None:
         start = time.perf_counter()
         try:
-            graph = None
+            graph, made = None, False
             if self._forked_builds:
                 try:  # a module some earlier process compiled: loaded, nothing forked
                     with self.platform.cached_graphs_only(), set_forward_context(build.context):
                         graph = self._make_background_graph(build)
+                    made = True  # (or a failed trace, logged: final either way)
                 except GraphNotCached:
                     # The compile in a forked copy, off this process's GIL; made again
                     # below, the graph then loads its module (graphs/forked_build.py).
                     build.forked = run_forked(
                         lambda: self._build_in_child(build), build.is_cancelled
                     )
-            if graph is None and not build.cancelled:
+            if not made and not build.cancelled:
                 with set_forward_context(build.context):
                     graph = self._make_background_graph(build)
             if graph is not None and not build.cancelled:
