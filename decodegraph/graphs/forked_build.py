@@ -72,7 +72,11 @@ def run_forked(
             _child(work)  # never returns
     start = time.monotonic()
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by someone else's handler: its result is lost
+            logger.debug("forked graph build %d reaped elsewhere", pid)
+            return False
         if done:
             ok = os.waitstatus_to_exitcode(status) == 0
             if not ok:

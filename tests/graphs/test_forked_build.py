@@ -83,6 +83,18 @@ def test_a_cancelled_or_overlong_child_is_stopped() -> None:
     assert time.monotonic() - started < 30
 
 
+def test_a_child_reaped_elsewhere_counts_as_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A server's SIGCHLD handler may reap it first: the thread then builds itself.)"""
+    waitpid = os.waitpid
+
+    def reaped_first(pid: int, options: int) -> tuple[int, int]:
+        waitpid(pid, 0)
+        raise ChildProcessError(10, "No child processes")
+
+    monkeypatch.setattr(os, "waitpid", reaped_first)
+    assert not run_forked(lambda: True, never)
+
+
 def test_the_switch_is_0_or_1_and_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FORKED_BUILDS_ENV, "0")
     assert not forked_builds_enabled()
