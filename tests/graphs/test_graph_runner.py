@@ -20,6 +20,7 @@ from decodegraph.graphs.graph_runner import CaptureClosedError, GraphRunner
 from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.platforms.base import InputAddressError
 from decodegraph.worker.input_buffers import PersistentBuffer
+from tests.utils.inductor import count_compiles
 from tests.utils.kv import changed_slots
 from tests.utils.platforms import StaticGraph, StaticGraphPlatform, registered_platform
 from tests.utils.requests import greedy
@@ -619,22 +620,6 @@ def test_a_size_asked_for_in_a_batch_serves_that_batch_while_it_steps_back_to_ba
     )
 
 
-def _count_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that gets an item at each Inductor compile in this process from now on (a
-    forked child's stay in the child)."""
-    import torch._inductor.compile_fx as compile_fx_module
-
-    compiles: list[int] = []
-    compile_fx = compile_fx_module.compile_fx
-
-    def counted(*args: object, **kwargs: object) -> object:
-        compiles.append(1)
-        return compile_fx(*args, **kwargs)
-
-    monkeypatch.setattr(compile_fx_module, "compile_fx", counted)
-    return compiles
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.parametrize("forked", [True, False])
 def test_a_size_made_on_demand_is_compiled_in_a_forked_child_and_loaded_here(
@@ -655,7 +640,7 @@ def test_a_size_made_on_demand_is_compiled_in_a_forked_child_and_loaded_here(
     llm = _on_demand_llm(stories_dir)
     graph_runner = llm.llm_engine.runner.graph_runner
     build = graph_runner._background[BatchDescriptor(4, 4, True)]
-    compiles = _count_compiles(monkeypatch)
+    compiles = count_compiles(monkeypatch)
     prompts = [[1, 20 + i, 30 + i] for i in range(4)]
     params = [greedy(24) for _ in prompts]
     want = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
@@ -685,7 +670,7 @@ def test_closing_the_runner_stops_a_forked_build_without_compiling_here(
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     llm = _on_demand_llm(stories_dir)
     graph_runner = llm.llm_engine.runner.graph_runner
-    compiles = _count_compiles(monkeypatch)
+    compiles = count_compiles(monkeypatch)
     graph_runner.dispatch(3, 3, True)  # the 4-request graph's build starts
     build = graph_runner._background[BatchDescriptor(4, 4, True)]
     assert build.thread is not None

@@ -8,6 +8,7 @@ import torch
 from decodegraph.platforms.base import InputAddressError
 from decodegraph.platforms.cpu import CpuPlatform
 from decodegraph.platforms.cpu_graph import CpuGraph
+from tests.utils.inductor import count_compiles
 
 
 def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -133,20 +134,6 @@ def test_a_graph_compiled_again_is_loaded_from_inductors_cache_not_regenerated(
     assert first.replay().shape == (4, 8)
 
 
-def _count_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    import torch._inductor.compile_fx as compile_fx
-
-    compiles: list[int] = []
-    original = compile_fx.compile_fx
-
-    def counted(*args: object, **kwargs: object) -> object:
-        compiles.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(compile_fx, "compile_fx", counted)
-    return compiles
-
-
 def test_a_graph_traced_again_loads_its_module_without_compiling(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -154,7 +141,7 @@ def test_a_graph_traced_again_loads_its_module_without_compiling(
     altogether: the compiled-graph index names the module the first compile wrote."""
     from torch._inductor.utils import fresh_cache
 
-    compiles = _count_compiles(monkeypatch)
+    compiles = count_compiles(monkeypatch)
     with fresh_cache():
         CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
         x, w = torch.randn(4, 8), torch.randn(8, 8)
@@ -172,7 +159,7 @@ def test_another_shape_or_another_graph_is_compiled_not_taken_from_the_index(
 ) -> None:
     from torch._inductor.utils import fresh_cache
 
-    compiles = _count_compiles(monkeypatch)
+    compiles = count_compiles(monkeypatch)
     with fresh_cache():
         CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
         x, w = torch.randn(2, 8), torch.randn(8, 8)
@@ -189,7 +176,7 @@ def test_an_index_entry_whose_module_is_gone_compiles_afresh(
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.utils import fresh_cache
 
-    compiles = _count_compiles(monkeypatch)
+    compiles = count_compiles(monkeypatch)
     with fresh_cache():
         CpuGraph("g", _affine, [torch.randn(4, 8), torch.randn(8, 8)], True)
         PyCodeCache.cache_clear(purge=True)  # deletes the modules' files too
