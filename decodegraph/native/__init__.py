@@ -169,7 +169,18 @@ def _cache_dir() -> Path:
     return Path(base) / "decodegraph" / "kernels"
 
 
+# Whether this process registered the operators' fake implementations (_register_fakes).
+_fakes_registered = False
+
+
 def _register_fakes() -> None:
+    """Once per process: a later load (tests clear load_cpu_ops' cache) must not register
+    them again, which torch 2.10 refuses."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+
     @torch.library.register_fake("decodegraph_cpu::paged_attention")
     def _(query, *_):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
@@ -416,9 +427,30 @@ def c_shims() -> dict:
     """For Inductor's aot_inductor.custom_ops_to_c_shims: each loaded opaque operator ->
     its C shim's declaration ({} where the operators are not loaded)."""
     ops = load_cpu_ops()
-    if ops is None or not _shims_visible:
+    if ops is None or not _shims_visible or not _graph_cache_hashes_operators():
         return {}
     return {getattr(ops, name).default: [decl] for name, decl in C_SHIMS.items()}
+
+
+@cache
+def _graph_cache_hashes_operators() -> bool:
+    """Whether a graph compiles with the shims' mapping, keyed by operator, in its options:
+    Inductor hashes its options into every graph's FX-cache key, and an operator does not
+    pickle. torch 2.13's key maker says so (BypassFxGraphCache: the graph compiles without
+    that cache; ours, the compiled-graph index, keeps it), torch 2.10's raised an error
+    that failed every compile. Without the shims graphs call the operators through the
+    dispatcher."""
+    try:
+        from torch._inductor.codecache import BypassFxGraphCache, FxGraphCachePickler
+
+        empty = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        FxGraphCachePickler(empty).dumps({torch.ops.aten.add.Tensor: ["shim"]})
+    except BypassFxGraphCache:
+        return True
+    except Exception as e:  # noqa: BLE001 - any other failure: leave the shims out
+        logger.debug("Inductor's graph cache cannot hash operators (%s): no C shims", e)
+        return False
+    return True
 
 
 def install_cpu_allocator() -> bool:

@@ -54,7 +54,12 @@ def _inductor_isa_probe_redundant() -> bool:
     if isa == "avx2":
         return not torch.cpu._is_avx512_supported()
     if isa == "neon":
-        caps = torch.cpu.get_capabilities()
+        # A torch without get_capabilities (2.10 has none) cannot tell SVE
+        # apart here: the probe stays.
+        get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+        if get_capabilities is None:
+            return False
+        caps = get_capabilities()
         return not (caps.get("sve") or caps.get("sve2"))
     return False
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import decodegraph.native as native
 from decodegraph.native import load_cpu_ops
@@ -90,6 +91,21 @@ def fresh_load(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     monkeypatch.undo()
     load_cpu_ops.cache_clear()
     load_cpu_ops()
+
+
+def test_loading_the_operators_again_registers_their_fakes_once(
+    fresh_load: pytest.MonkeyPatch,
+) -> None:
+    """A second load in one process (tests clear load_cpu_ops' cache) does not register
+    the fake implementations again: torch 2.10 refuses a second registration."""
+    assert load_cpu_ops() is not None
+
+    def refuse(op: str, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"register_fake(...): the operator {op} already has a fake impl")
+
+    fresh_load.setattr(torch.library, "register_fake", refuse)
+    load_cpu_ops.cache_clear()
+    assert load_cpu_ops() is not None
 
 
 def _records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.cpp_extension import get_cxx_compiler
 
 from decodegraph import native
 
@@ -54,7 +55,7 @@ int main() {
 """
 
 
-@pytest.mark.skipif(not shutil.which("g++"), reason="no C++ compiler")
+@pytest.mark.skipif(not shutil.which(get_cxx_compiler()), reason="no C++ compiler")
 @pytest.mark.parametrize("isa", native.available_isas())
 def test_sum_lanes_gives_the_lane_sum_of_each_vector(isa: str, tmp_path: Path) -> None:
     torch_dir = Path(torch.__file__).parent
@@ -62,7 +63,7 @@ def test_sum_lanes_gives_the_lane_sum_of_each_vector(isa: str, tmp_path: Path) -
     source.write_text(_PROGRAM)
     flags = native._flag_sets(isa)[1]  # the ISA's own flags, without OpenMP
     cmd = [
-        "g++",
+        get_cxx_compiler(),  # $CXX, else c++: the compiler that builds the operators
         "-std=c++17",
         *flags,
         "-I",

@@ -496,6 +496,23 @@ def test_the_isa_probe_stays_for_a_narrowed_build_and_at_the_users_word(
     assert CpuPlatform().inductor_options(CompilationConfig())["cpp.vec_isa_ok"] is True
 
 
+def test_a_neon_build_keeps_the_probe_on_sve_and_where_torch_cannot_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On ARM the probe is redundant only without SVE (which Inductor checks apart), told
+    by torch.cpu.get_capabilities; a torch without it (2.10 has none) keeps the probe
+    rather than failing the engine's start."""
+    from decodegraph import native
+
+    monkeypatch.setattr(native, "cpu_isa", lambda: "neon")
+    for caps, skipped in (({"neon": True}, True), ({"neon": True, "sve": True}, False)):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda c=caps: c, raising=False)
+        options = CpuPlatform().inductor_options(CompilationConfig())
+        assert ("cpp.vec_isa_ok" in options) == skipped
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    assert "cpp.vec_isa_ok" not in CpuPlatform().inductor_options(CompilationConfig())
+
+
 def test_cpu_graphs_build_the_wrapper_at_o1_and_the_kernels_at_o3_apart(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
