@@ -11,10 +11,13 @@
 // the next request of that class takes it back (a push or a pop under one spin lock).
 //
 // Blocks: a 64-byte header, then the data (64-byte aligned, as c10's own allocator
-// gives). The header holds the class and the free-list link. Empty requests and those
-// above kMaxBlock go to c10's allocator as before; a block freed while the cache holds
-// its cap goes back to the system. Classes: multiples of 64 bytes up to 1 KiB, then four
-// per power of two (at most 25 % over the request).
+// gives). The header holds the class and the free-list link. Every block has one, those
+// above kMaxBlock too (their class kUncached: freed to the system, never cached), and an
+// empty request gets no block (a null pointer, which release takes): c10's raw_deallocate
+// (torch's oneDNN integration frees its buffers with it) calls raw_deleter() on the bare
+// pointer, so release must take every pointer this allocator gave out. A block freed
+// while the cache holds its cap goes back to the system. Classes: multiples of 64 bytes
+// up to 1 KiB, then four per power of two (at most 25 % over the request).
 #ifndef DECODEGRAPH_CPU_ALLOCATOR_H
 #define DECODEGRAPH_CPU_ALLOCATOR_H
 
@@ -35,6 +38,7 @@ class CachingCpuAllocator final : public c10::Allocator {
     static constexpr size_t kHeader = 64, kMaxBlock = size_t{4} << 20;
     static constexpr int kSmall = 16;                                // 64 .. 1024 bytes
     static constexpr int kClasses = kSmall + 4 * (22 - 10);          // then up to 4 MiB
+    static constexpr int kUncached = kClasses;                       // above kMaxBlock
     static constexpr uint32_t kMagic = 0x64674361;                   // "dgCa"
 
     // The size class of an n-byte request (n <= kMaxBlock), and the bytes it holds.
@@ -85,9 +89,18 @@ class CachingCpuAllocator final : public c10::Allocator {
     bool installed() const { return installed_; }
 
     c10::DataPtr allocate(size_t n) override {
-        if (n == 0 || n > kMaxBlock || cap_.load(std::memory_order_relaxed) == 0) {
+        if (n == 0) {
             passed_through_.fetch_add(1, std::memory_order_relaxed);
-            return previous_->allocate(n);
+            return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
+        }
+        if (n > kMaxBlock) {
+            passed_through_.fetch_add(1, std::memory_order_relaxed);
+            Header* h = static_cast<Header*>(c10::alloc_cpu(kHeader + n));
+            h->next = nullptr;
+            h->cls = static_cast<uint32_t>(kUncached);
+            h->magic = kMagic;
+            h->bytes = n;
+            return data_ptr(h, n);
         }
         const int c = size_class(n);
         Header* h = nullptr;
@@ -106,13 +119,10 @@ class CachingCpuAllocator final : public c10::Allocator {
             h = static_cast<Header*>(c10::alloc_cpu(kHeader + class_bytes(c)));
             h->cls = static_cast<uint32_t>(c);
             h->magic = kMagic;
+            h->bytes = class_bytes(c);
         }
         h->next = nullptr;
-        void* data = reinterpret_cast<char*>(h) + kHeader;
-        if (c10::memoryProfilingEnabled())
-            c10::reportMemoryUsageToProfiler(data, static_cast<int64_t>(class_bytes(c)), 0, 0,
-                                             c10::Device(c10::DeviceType::CPU));
-        return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+        return data_ptr(h, class_bytes(c));
     }
 
     c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -153,8 +163,17 @@ class CachingCpuAllocator final : public c10::Allocator {
     struct Header {
         Header* next;
         uint32_t cls, magic;
+        size_t bytes;  // the data's: the class's, or an uncached block's request
     };
     static_assert(sizeof(Header) <= kHeader, "header too large");
+
+    static c10::DataPtr data_ptr(Header* h, size_t bytes) {
+        void* data = reinterpret_cast<char*>(h) + kHeader;
+        if (c10::memoryProfilingEnabled())
+            c10::reportMemoryUsageToProfiler(data, static_cast<int64_t>(bytes), 0, 0,
+                                             c10::Device(c10::DeviceType::CPU));
+        return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+    }
 
     // A spin lock (held for a push or a pop), released in a forked child: a thread of the
     // parent may have held it at the fork.
@@ -173,15 +192,21 @@ class CachingCpuAllocator final : public c10::Allocator {
     }
 
     static void release(void* data) {
+        if (data == nullptr)  // an empty request's
+            return;
         auto& self = instance();
         Header* h = reinterpret_cast<Header*>(static_cast<char*>(data) - kHeader);
         const int c = static_cast<int>(h->cls);
-        TORCH_CHECK(h->magic == kMagic && c < kClasses, "decodegraph CPU allocator: a block "
-                    "freed that it did not allocate, or a corrupted header");
+        TORCH_CHECK(h->magic == kMagic && c <= kUncached, "decodegraph CPU allocator: a "
+                    "block freed that it did not allocate, or a corrupted header");
+        const int64_t bytes = static_cast<int64_t>(h->bytes);
         if (c10::memoryProfilingEnabled())
-            c10::reportMemoryUsageToProfiler(data, -static_cast<int64_t>(class_bytes(c)), 0, 0,
+            c10::reportMemoryUsageToProfiler(data, -bytes, 0, 0,
                                              c10::Device(c10::DeviceType::CPU));
-        const int64_t bytes = static_cast<int64_t>(class_bytes(c));
+        if (c == kUncached) {
+            c10::free_cpu(h);
+            return;
+        }
         {
             Lock lock(self.spin_);
             if (self.cached_bytes_ + bytes <= self.cap_.load(std::memory_order_relaxed)) {

@@ -452,7 +452,7 @@ void cpu_allocator_install(int64_t cap_bytes) {
     CachingCpuAllocator::instance().install(cap_bytes);
 }
 
-// [installed, cached bytes, hits, misses, passed through]
+// [installed, cached bytes, hits, misses, uncached (empty or above the largest class)]
 std::vector<int64_t> cpu_allocator_stats() {
     auto& a = CachingCpuAllocator::instance();
     const auto s = a.stats();
