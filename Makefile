@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # torch builds the CPU attention operator with the ninja installed in the venv.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup demo test lint bench bench-plot
+.PHONY: setup demo test test-arm lint bench bench-plot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: setup
 test: setup
 	$(BIN)/ruff check decodegraph tests benchmarks
 	$(BIN)/python -m pytest -q -rs -n 2 --dist worksteal tests
+
+# The CPU operators' NEON build and tests on aarch64 under qemu-user (root, Debian, the
+# package registries): not part of `make test`.
+test-arm: setup
+	tools/arm_emulated.sh
 
 lint: setup
 	$(BIN)/ruff check decodegraph tests benchmarks
