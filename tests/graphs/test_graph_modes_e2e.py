@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from decodegraph.attention.backends.torch_paged import CPUAttentionBackend
+from decodegraph.benchmarks.accuracy import check_logprobs_close
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.forward_context import BatchDescriptor
 from decodegraph.graphs.graph_runner import CaptureClosedError
@@ -539,8 +540,12 @@ def test_a_bf16_model_takes_the_batch_1_projection_in_a_full_decode_graph(
 ) -> None:
     """A bf16 checkpoint whose projections and LM head all hold 64Ki values or more: at
     batch 1 every one of them calls decodegraph's one-row operator (bf16 in and out),
-    in the eager steps and inside the FULL_DECODE_ONLY graph, traced or compiled, whose
-    greedy ids equal NONE's."""
+    in the eager steps and inside the FULL_DECODE_ONLY graph, traced or compiled. The
+    traced graph runs eager's kernels: the same greedy ids. Inductor's fused kernels
+    keep float32 between the ops that eager rounds to bf16 one by one, so the compiled
+    graph agrees within vLLM's check_logprobs_close (the issue's bf16 rule): on aarch64
+    (torch 2.10, under qemu) its logits moved a bf16 tie between two tokens at the third
+    step, where this x86 build gives eager's ids."""
     path = make_checkpoint(
         tmp_path,
         "qwen2",
@@ -569,7 +574,18 @@ def test_a_bf16_model_takes_the_batch_1_projection_in_a_full_decode_graph(
         calls = [n for n in graph.graph_module.graph.nodes if "linear_one_row" in str(n.target)]
         assert len(calls) == len(linears) + 1  # and the LM head
     prompts = _prompts("qwen3", 1, (5, 5), seed=21)  # ids under 128: any vocabulary here
-    assert _run(llm, prompts, 12) == _run(eager, prompts, 12)
+    if not use_inductor:
+        assert _run(llm, prompts, 12) == _run(eager, prompts, 12)
+    else:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+        outs = [
+            [
+                (o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in engine.generate(prompts, params, use_tqdm=False)
+            ]
+            for engine in (eager, llm)
+        ]
+        check_logprobs_close(outs[0], outs[1], "NONE", "FULL_DECODE_ONLY")
     assert llm.llm_engine.runner.graph_runner.mode_counts[("decode", "FULL")] == 11
 
 
