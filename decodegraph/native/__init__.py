@@ -427,19 +427,19 @@ def c_shims() -> dict:
     """For Inductor's aot_inductor.custom_ops_to_c_shims: each loaded opaque operator ->
     its C shim's declaration ({} where the operators are not loaded)."""
     ops = load_cpu_ops()
-    if ops is None or not _shims_visible or not _graph_cache_hashes_operators():
+    if ops is None or not _shims_visible:
         return {}
     return {getattr(ops, name).default: [decl] for name, decl in C_SHIMS.items()}
 
 
 @cache
-def _graph_cache_hashes_operators() -> bool:
-    """Whether a graph compiles with the shims' mapping, keyed by operator, in its options:
-    Inductor hashes its options into every graph's FX-cache key, and an operator does not
-    pickle. torch 2.13's key maker says so (BypassFxGraphCache: the graph compiles without
-    that cache; ours, the compiled-graph index, keeps it), torch 2.10's raised an error
-    that failed every compile. Without the shims graphs call the operators through the
-    dispatcher."""
+def graph_cache_hashes_operators() -> bool:
+    """Whether Inductor's FX graph cache can make a key of options that hold the shims'
+    mapping (keyed by operator; an operator does not pickle). torch 2.13's key maker
+    says it cannot (BypassFxGraphCache) and the graph compiles without that cache;
+    torch 2.10's raised an error that failed every compile. Where this is False the CPU
+    platform turns that cache off for its graphs (CpuPlatform.inductor_options), as
+    2.13 bypasses it: our compiled-graph index is what keeps graphs across processes."""
     try:
         from torch._inductor.codecache import BypassFxGraphCache, FxGraphCachePickler
 
@@ -447,8 +447,8 @@ def _graph_cache_hashes_operators() -> bool:
         FxGraphCachePickler(empty).dumps({torch.ops.aten.add.Tensor: ["shim"]})
     except BypassFxGraphCache:
         return True
-    except Exception as e:  # noqa: BLE001 - any other failure: leave the shims out
-        logger.debug("Inductor's graph cache cannot hash operators (%s): no C shims", e)
+    except Exception as e:  # noqa: BLE001 - any other failure: no FX graph cache
+        logger.debug("Inductor's FX graph cache cannot hash operators (%s): off", e)
         return False
     return True
 

@@ -145,8 +145,12 @@ class CpuPlatform(Platform):
         gloo collective is compiled without the C++ wrapper: compile_with_inductor.)"""
         options = dict(self.default_inductor_options)
         # The wrapper calls the opaque operators as C functions, not through the
-        # dispatcher (native.c_shims).
-        options["aot_inductor.custom_ops_to_c_shims"] = native.c_shims()
+        # dispatcher (native.c_shims); a torch whose FX graph cache cannot key them
+        # compiles without that cache (native.graph_cache_hashes_operators).
+        shims = native.c_shims()
+        options["aot_inductor.custom_ops_to_c_shims"] = shims
+        if shims and not native.graph_cache_hashes_operators():
+            options["fx_graph_cache"] = False
         if _inductor_isa_probe_redundant():
             options["cpp.vec_isa_ok"] = True
         return {**options, **config.inductor_compile_config}

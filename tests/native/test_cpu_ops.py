@@ -2,8 +2,7 @@
 row is computed by exactly one thread, so every split gives the bits of one thread.
 The batch-1 projection is as exact as BLAS's (float32) and torch.mm's (bfloat16), and
 the layers use it at batch 1, in eager steps and in traced and compiled graphs. Compiled
-graphs call the opaque operators through their C shims, not the dispatcher (where torch's
-Inductor graph cache can hash them: native.c_shims)."""
+graphs call the opaque operators through their C shims, not the dispatcher."""
 
 from __future__ import annotations
 
@@ -17,12 +16,12 @@ from tests.utils.native import outputs_under_settings
 
 @pytest.fixture
 def c_shims(cpu_ops: object) -> object:
-    """The operators, where graphs call them through their C shims (native.c_shims); a
-    torch whose graph cache cannot hash operators (2.10) calls the dispatcher instead."""
+    """The operators, where graphs call them through their C shims (native.c_shims: the
+    operators' library made global)."""
     from decodegraph import native
 
     if not native.c_shims():
-        pytest.skip("this torch's Inductor graph cache cannot hash operators: no C shims")
+        pytest.skip("the operators' C shims could not be made global here")
     return cpu_ops
 
 
@@ -552,29 +551,35 @@ def test_the_shims_are_global_and_torchs_libraries_are_not(cpu_ops: object) -> N
     assert not hasattr(scope, "aoti_torch_new_tensor_handle")
 
 
-def test_where_inductors_graph_cache_cannot_hash_operators_graphs_call_the_dispatcher(
-    cpu_ops: object, monkeypatch: pytest.MonkeyPatch
+def test_where_inductors_graph_cache_cannot_key_the_shims_graphs_compile_without_it(
+    c_shims: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The shims' mapping is keyed by operator and goes into every graph's cache key. A
-    torch whose FX graph cache cannot hash an operator (2.10: each compile then failed)
-    gets no shims: graphs call the operators through the dispatcher, with their bits."""
+    """The shims' mapping is keyed by operator and goes into every graph's FX-cache key.
+    A torch whose key maker cannot hash an operator (2.10: each compile then failed)
+    keeps the shims and compiles with Inductor's FX graph cache off: the wrapper calls the
+    shim, with the operator's bits."""
     from torch._inductor.codecache import FxGraphCachePickler
 
     from decodegraph import native
+    from decodegraph.config import CompilationConfig
+    from decodegraph.platforms.cpu import CpuPlatform
 
     def refuse(self: object, obj: object) -> bytes:
         raise RuntimeError("<pybind11 function record> is not pickleable.")
 
+    assert "fx_graph_cache" not in CpuPlatform().inductor_options(CompilationConfig())
     monkeypatch.setattr(FxGraphCachePickler, "dumps", refuse)
-    native._graph_cache_hashes_operators.cache_clear()
+    native.graph_cache_hashes_operators.cache_clear()
     try:
-        assert native.c_shims() == {}  # and so it stays: the answer is kept per process
+        assert native.graph_cache_hashes_operators() is False  # kept for the process
         monkeypatch.undo()
-        x, weight, graph, code = _projection_without_bias(cpu_ops)
-        assert 'aoti_torch_call_dispatcher("decodegraph_cpu::linear_one_row"' in code
+        options = CpuPlatform().inductor_options(CompilationConfig())
+        assert options["fx_graph_cache"] is False and options["aot_inductor.custom_ops_to_c_shims"]
+        x, weight, graph, code = _projection_without_bias(c_shims)
+        assert "aoti_torch_cpu_linear_one_row(" in code
     finally:
-        native._graph_cache_hashes_operators.cache_clear()
-    assert torch.equal(graph.replay(), cpu_ops.linear_one_row(x, weight, None))
+        native.graph_cache_hashes_operators.cache_clear()
+    assert torch.equal(graph.replay(), c_shims.linear_one_row(x, weight, None))
 
 
 def test_where_the_shims_cannot_be_made_visible_graphs_call_the_dispatcher(
