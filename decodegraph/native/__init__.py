@@ -169,17 +169,10 @@ def _cache_dir() -> Path:
     return Path(base) / "decodegraph" / "kernels"
 
 
-# Whether this process registered the operators' fake implementations (_register_fakes).
-_fakes_registered = False
-
-
+@cache
 def _register_fakes() -> None:
     """Once per process: a later load (tests clear load_cpu_ops' cache) must not register
     them again, which torch 2.10 refuses."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
-    _fakes_registered = True
 
     @torch.library.register_fake("decodegraph_cpu::paged_attention")
     def _(query, *_):  # noqa: ANN001, ANN202

@@ -57,7 +57,7 @@ class CachingCpuAllocator final : public c10::Allocator {
     }
 
     struct Stats {
-        int64_t cached_bytes, hits, misses, passed_through;
+        int64_t cached_bytes, hits, misses, uncached;
     };
 
     static CachingCpuAllocator& instance() {
@@ -90,17 +90,12 @@ class CachingCpuAllocator final : public c10::Allocator {
 
     c10::DataPtr allocate(size_t n) override {
         if (n == 0) {
-            passed_through_.fetch_add(1, std::memory_order_relaxed);
+            uncached_.fetch_add(1, std::memory_order_relaxed);
             return {nullptr, nullptr, &release, c10::Device(c10::DeviceType::CPU)};
         }
         if (n > kMaxBlock) {
-            passed_through_.fetch_add(1, std::memory_order_relaxed);
-            Header* h = static_cast<Header*>(c10::alloc_cpu(kHeader + n));
-            h->next = nullptr;
-            h->cls = static_cast<uint32_t>(kUncached);
-            h->magic = kMagic;
-            h->bytes = n;
-            return data_ptr(h, n);
+            uncached_.fetch_add(1, std::memory_order_relaxed);
+            return data_ptr(new_block(kUncached, n));
         }
         const int c = size_class(n);
         Header* h = nullptr;
@@ -116,13 +111,10 @@ class CachingCpuAllocator final : public c10::Allocator {
             hits_.fetch_add(1, std::memory_order_relaxed);
         } else {
             misses_.fetch_add(1, std::memory_order_relaxed);
-            h = static_cast<Header*>(c10::alloc_cpu(kHeader + class_bytes(c)));
-            h->cls = static_cast<uint32_t>(c);
-            h->magic = kMagic;
-            h->bytes = class_bytes(c);
+            h = new_block(c, class_bytes(c));
         }
         h->next = nullptr;
-        return data_ptr(h, class_bytes(c));
+        return data_ptr(h);
     }
 
     c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -152,7 +144,7 @@ class CachingCpuAllocator final : public c10::Allocator {
 
     Stats stats() {
         Lock lock(spin_);
-        return {cached_bytes_, hits_.load(), misses_.load(), passed_through_.load()};
+        return {cached_bytes_, hits_.load(), misses_.load(), uncached_.load()};
     }
 
    private:
@@ -167,10 +159,20 @@ class CachingCpuAllocator final : public c10::Allocator {
     };
     static_assert(sizeof(Header) <= kHeader, "header too large");
 
-    static c10::DataPtr data_ptr(Header* h, size_t bytes) {
+    // A block from the system: its header, then `bytes` of data.
+    static Header* new_block(int cls, size_t bytes) {
+        Header* h = static_cast<Header*>(c10::alloc_cpu(kHeader + bytes));
+        h->next = nullptr;
+        h->cls = static_cast<uint32_t>(cls);
+        h->magic = kMagic;
+        h->bytes = bytes;
+        return h;
+    }
+
+    static c10::DataPtr data_ptr(Header* h) {
         void* data = reinterpret_cast<char*>(h) + kHeader;
         if (c10::memoryProfilingEnabled())
-            c10::reportMemoryUsageToProfiler(data, static_cast<int64_t>(bytes), 0, 0,
+            c10::reportMemoryUsageToProfiler(data, static_cast<int64_t>(h->bytes), 0, 0,
                                              c10::Device(c10::DeviceType::CPU));
         return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
     }
@@ -223,7 +225,7 @@ class CachingCpuAllocator final : public c10::Allocator {
     std::atomic<int64_t> cap_{0};
     Header* free_[kClasses] = {};
     int64_t cached_bytes_ = 0;
-    std::atomic<int64_t> hits_{0}, misses_{0}, passed_through_{0};
+    std::atomic<int64_t> hits_{0}, misses_{0}, uncached_{0};
     c10::Allocator* previous_ = nullptr;
     bool installed_ = false;
 };

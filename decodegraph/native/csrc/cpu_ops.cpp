@@ -456,7 +456,7 @@ void cpu_allocator_install(int64_t cap_bytes) {
 std::vector<int64_t> cpu_allocator_stats() {
     auto& a = CachingCpuAllocator::instance();
     const auto s = a.stats();
-    return {a.installed() ? 1 : 0, s.cached_bytes, s.hits, s.misses, s.passed_through};
+    return {a.installed() ? 1 : 0, s.cached_bytes, s.hits, s.misses, s.uncached};
 }
 
 void cpu_allocator_trim() { CachingCpuAllocator::instance().trim(); }
