@@ -7,16 +7,20 @@
 #     run through a wrapper (cxx) that turns -march=native into $DG_ARM_MARCH and the
 #     host's Python headers into the arm64 ones;
 #   - torch 2.10.0 for aarch64 (the newest release whose PyPI wheel for aarch64 is a CPU
-#     build: 2.11 and later there are CUDA builds), the package's dependencies and pytest;
+#     build: 2.11 and later there are CUDA builds), the package's dependencies (those of
+#     the server, structured outputs, Ray and the Triton interpreter too) and pytest, on
+#     the emulated Python's path through a .pth file (tests start child processes with a
+#     PYTHONPATH of their own);
 #   - qemu-aarch64 registered with binfmt_misc, so that the emulated Python's child
 #     processes (tests start some) run too.
 # Without arguments it runs the operators' tests (tests/native and the layers and
-# attention tests that call them); otherwise the given command, e.g.
+# attention tests that call them); with --all the whole suite, in two pytest-xdist
+# workers (not timed whole: its server, executor and distributed tests alone take 35
+# minutes on two cores); otherwise the given command, e.g.
 #   tools/arm_emulated.sh python -m pytest -q tests/native/test_cpu_ops.py
 #   tools/arm_emulated.sh python -m decodegraph generate --max-tokens 61
-# ("python" is the emulated one). Emulation is slow: the default tests take about ten
-# minutes on two cores. It checks that the code builds and gives the right values on
-# NEON, not how fast it is.
+# ("python" is the emulated one). Emulation is slow. It checks that the code builds and
+# gives the right values on NEON, not how fast it is.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,6 +35,8 @@ PY_DEBS=(python3.11-minimal libpython3.11-minimal libpython3.11-stdlib libpython
          libpython3.11-dev python3.11-dev libc6 libgcc-s1 libstdc++6 libgomp1 libexpat1
          zlib1g libffi8 libssl3 libbz2-1.0 liblzma5 libsqlite3-0 libuuid1 libncursesw6
          libtinfo6 libreadline8 libdb5.3 libgdbm6 libnsl2 libtirpc3 libcrypt1 libzstd1)
+
+pinned() { cat "$REPO/requirements.txt" "$REPO/requirements-nodeps.txt" | sed -n "s/^$1==//p"; }
 
 setup() {
     mkdir -p "$DIR/debs" "$DIR/bin"
@@ -54,6 +60,27 @@ setup() {
         "$HOST_PIP" install -q --target "$SITE/deps" "${PLATFORMS[@]}" --python-version 3.11 \
             --only-binary=:all: -r <(grep -E '^(numpy|transformers|tokenizers|safetensors|huggingface-hub|tqdm|pytest|pytest-timeout)==' "$REPO/requirements.txt")
     fi
+    if [ ! -d "$SITE/extra/fastapi" ]; then
+        # What the engine, server, structured-output and executor tests need beyond that,
+        # at requirements.txt's versions; llguidance at the newest with an aarch64 wheel.
+        "$HOST_PIP" install -q --target "$SITE/extra" "${PLATFORMS[@]}" --python-version 3.11 \
+            --only-binary=:all: "llguidance>=1.6,<=$(pinned llguidance)" -r <(grep -E \
+            '^(jinja2|fastapi|uvicorn|prometheus-client|openai|httpx|pytest-xdist|execnet|schemathesis|psutil|tenacity|tiktoken|aiohttp|cloudpickle|msgpack|protobuf|jsonschema|jsonschema-specifications|referencing|rpds-py|ray)==' \
+            "$REPO/requirements.txt")
+        "$HOST_PIP" install -q --no-deps --target "$SITE/extra" "${PLATFORMS[@]}" \
+            --python-version 3.11 --only-binary=:all: "xgrammar==$(pinned xgrammar)" \
+            "apache-tvm-ffi==$(pinned apache-tvm-ffi)"
+    fi
+    if [ ! -d "$SITE/extra/triton" ]; then
+        # The Triton tests' interpreter (the Makefile's .triton/ holds the x86-64 build).
+        "$HOST_PIP" install -q --no-deps --target "$SITE/extra" "${PLATFORMS[@]}" \
+            --platform manylinux_2_27_aarch64 --python-version 3.11 --only-binary=:all: \
+            -r "$REPO/requirements-triton.txt"
+    fi
+    # The emulated Python finds them through a .pth file, not PYTHONPATH: tests start
+    # child processes with a PYTHONPATH of their own.
+    mkdir -p "$ROOT/usr/lib/python3/dist-packages"
+    printf '%s\n' "$SITE" "$SITE/deps" "$SITE/extra" > "$ROOT/usr/lib/python3/dist-packages/decodegraph-arm.pth"
     if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
         [ -e /proc/sys/fs/binfmt_misc/register ] ||
             mount binfmt_misc -t binfmt_misc /proc/sys/fs/binfmt_misc
@@ -85,20 +112,27 @@ setup
 export QEMU_LD_PREFIX=$ROOT
 export PATH=$DIR/bin:$PATH
 export CXX=$DIR/cxx
-export PYTHONPATH=$SITE:$SITE/deps:$REPO
+export PYTHONPATH=$REPO
 # Its own build and Inductor caches, apart from the host's.
 export XDG_CACHE_HOME=$DIR/cache
 export TORCHINDUCTOR_CACHE_DIR=$DIR/inductor
 cd "$REPO"
 python -c 'import platform, torch; print("emulated:", platform.machine(), "torch", torch.__version__)'
+# Left out, for what emulation lacks, not ARM: qemu-user takes MADV_HUGEPAGE and shows no
+# huge pages in smaps (the two huge-page tests), the emulated Python has no pip (the
+# wheel and console-script tests: no install), and Ray's cluster does not come up
+# within its tests' time limits under emulation (its GCS and raylet time out).
+NOT_EMULATED="not huge_page and not test_the_wheel_holds_every_native_source \
+and not test_console_script_is_installed and not ray_executor and not RayExecutor \
+and not ray_backend"
 if [ $# -eq 0 ]; then
-    # Left out, for what emulation lacks, not ARM: qemu-user takes MADV_HUGEPAGE and shows
-    # no huge pages in smaps (the two huge-page tests), and the emulated Python has no pip
-    # (the wheel test).
     set -- python -m pytest -q -rfs -p no:cacheprovider tests/native \
         tests/layers/test_activation.py tests/layers/test_layernorm.py \
         tests/layers/test_rotary_embedding.py tests/attention/test_torch_paged.py \
         tests/distributed/test_shm_all_reduce.py tests/platforms/test_platforms.py \
-        -k "not huge_page and not test_the_wheel_holds_every_native_source"
+        -k "$NOT_EMULATED"
+elif [ "$1" = --all ]; then
+    set -- python -m pytest -q -rfs -p no:cacheprovider -n 2 --dist worksteal \
+        --timeout 1800 tests -k "$NOT_EMULATED"
 fi
 exec "$@"
