@@ -7,19 +7,17 @@ The names below are loaded on first use, so that importing one part of the packa
 from __future__ import annotations
 
 import atexit
-import gc
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from decodegraph.gc_utils import collector_paused
+from decodegraph.gc_utils import collector_paused, freeze_at_exit
 
 __version__ = "0.1.0"
 
-# While the interpreter tears its modules down at exit it runs full garbage collections
-# that walk every object torch, dynamo and transformers created, for nothing: the process
-# is ending. Freezing takes them out of the collector's reach. atexit runs its handlers
-# last-in, first-out, so those registered by later imports still run (and collect) first.
-atexit.register(gc.freeze)
+# The teardown's collections skip what the process made (gc_utils.freeze_at_exit). atexit
+# runs its handlers last-in, first-out, so those registered by later imports still run
+# (and collect) first.
+atexit.register(freeze_at_exit)
 
 _EXPORTS = {
     "LLM": "decodegraph.entrypoints.llm",

@@ -11,6 +11,9 @@ never garbage, and a start-up's own garbage is young.
 - `collector_paused`: no automatic collection while the package's modules import
   (`decodegraph.LLM` and the other lazy names, the CLI's commands, a spawned rank's
   modules and worker); the collector is back as it was afterwards.
+- `freeze_at_exit` (atexit, registered when the package is imported): the collections
+  of the interpreter's teardown walk every object torch, Dynamo and transformers made,
+  for nothing, as the process is ending: freezing takes them out of reach.
 - `frozen_heap`: every object alive when the engine starts is out of the collector's
   reach until start-up ends (`gc.freeze`), so the collections of start-up, automatic or
   the one before capture, walk only what start-up made. At the end everything is
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections.abc import Iterator
 
 # How many frozen_heap blocks are open: only the outermost freezes and unfreezes
@@ -59,3 +63,14 @@ def frozen_heap() -> Iterator[None]:
         _frozen_depth -= 1
         if _frozen_depth == 0:
             gc.unfreeze()
+
+
+def freeze_at_exit() -> None:
+    """At exit, every object out of the teardown's collections (`gc.freeze`), except where
+    triton is loaded. Triton's compiler is a nanobind extension, and nanobind reports
+    each of its objects still alive when the extension is torn down, which a frozen
+    cycle always is: dozens of lines of "leaked instance" at the end of every run on a
+    machine where triton is installed (any CUDA build of torch brings it), GPU or none.
+    There the teardown collects as Python's does."""
+    if "triton" not in sys.modules:
+        gc.freeze()

@@ -1,16 +1,21 @@
 """The collector at start-up: paused while modules import, the heap the engine started
-with frozen while it starts, and everything as it was once it has."""
+with frozen while it starts, and everything as it was once it has; the heap frozen for
+the interpreter's teardown, except where triton is loaded."""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from decodegraph import LLM
-from decodegraph.gc_utils import collector_paused, frozen_heap
+from decodegraph.gc_utils import collector_paused, freeze_at_exit, frozen_heap
 from decodegraph.worker.model_runner import ModelRunner
 
 
@@ -85,3 +90,46 @@ def test_an_engine_starts_with_its_heap_frozen_and_leaves_the_collector_as_it_wa
     assert gc.get_freeze_count() == 0
     assert gc.isenabled()
     del llm
+
+
+@pytest.mark.usefixtures("collector_state")
+def test_the_heap_is_frozen_at_exit_unless_triton_is_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    freeze_at_exit()
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()
+    monkeypatch.setitem(sys.modules, "triton", object())
+    freeze_at_exit()
+    assert gc.get_freeze_count() == 0
+
+
+_TRITON_DIR = Path(__file__).resolve().parents[1] / ".triton"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None and not (_TRITON_DIR / "triton").is_dir(),
+    reason="triton is neither installed nor in .triton/ (run `make setup`)",
+)
+def test_a_process_with_triton_loaded_ends_without_nanobinds_leak_report() -> None:
+    """torch's Dynamo imports triton wherever it is installed (any CUDA build of torch
+    brings it), and nanobind, triton's binding library, reports every object of its own
+    still alive at teardown: a frozen heap printed dozens of "leaked" lines at the end of
+    every run."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p
+        for p in (
+            str(Path(__file__).resolve().parents[1]),
+            str(_TRITON_DIR),
+            env.get("PYTHONPATH", ""),
+        )
+        if p
+    )
+    script = "import sys, decodegraph, torch._dynamo; assert 'triton' in sys.modules"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-2000:]
