@@ -49,13 +49,14 @@ CASES: dict[str, tuple[int, int, int, int, int, int]] = {
 def build(tree: Path, isa: str, out: Path) -> Path:
     """attention_case.cpp against `tree`'s kernel headers, for `isa`."""
     import torch
+    from torch.utils.cpp_extension import get_cxx_compiler
 
     from decodegraph import native
 
     torch_dir = Path(torch.__file__).parent
     lib = out / f"attention_{isa}.so"
     cmd = [
-        "g++",
+        get_cxx_compiler(),  # $CXX, else c++: the compiler that builds the operators
         "-std=c++17",
         "-shared",
         "-fPIC",

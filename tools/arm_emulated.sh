@@ -61,11 +61,12 @@ setup() {
             --only-binary=:all: -r <(grep -E '^(numpy|transformers|tokenizers|safetensors|huggingface-hub|tqdm|pytest|pytest-timeout)==' "$REPO/requirements.txt")
     fi
     if [ ! -d "$SITE/extra/fastapi" ]; then
-        # What the engine, server, structured-output and executor tests need beyond that,
-        # at requirements.txt's versions; llguidance at the newest with an aarch64 wheel.
+        # What the engine, server, structured-output, executor and benchmark tests need
+        # beyond that, at requirements.txt's versions; llguidance at the newest with an
+        # aarch64 wheel.
         "$HOST_PIP" install -q --target "$SITE/extra" "${PLATFORMS[@]}" --python-version 3.11 \
             --only-binary=:all: "llguidance>=1.6,<=$(pinned llguidance)" -r <(grep -E \
-            '^(jinja2|fastapi|uvicorn|prometheus-client|openai|httpx|pytest-xdist|execnet|schemathesis|psutil|tenacity|tiktoken|aiohttp|cloudpickle|msgpack|protobuf|jsonschema|jsonschema-specifications|referencing|rpds-py|ray)==' \
+            '^(jinja2|fastapi|uvicorn|prometheus-client|openai|httpx|pytest-xdist|execnet|schemathesis|psutil|tenacity|tiktoken|aiohttp|cloudpickle|msgpack|protobuf|jsonschema|jsonschema-specifications|referencing|rpds-py|ray|matplotlib)==' \
             "$REPO/requirements.txt")
         "$HOST_PIP" install -q --no-deps --target "$SITE/extra" "${PLATFORMS[@]}" \
             --python-version 3.11 --only-binary=:all: "xgrammar==$(pinned xgrammar)" \
