@@ -17,6 +17,7 @@ import pytest
 from decodegraph import LLM
 from decodegraph.gc_utils import collector_paused, freeze_at_exit, frozen_heap
 from decodegraph.worker.model_runner import ModelRunner
+from tests.utils.triton import TRITON_DIR
 
 
 @pytest.fixture
@@ -105,11 +106,8 @@ def test_the_heap_is_frozen_at_exit_unless_triton_is_loaded(
     assert gc.get_freeze_count() == 0
 
 
-_TRITON_DIR = Path(__file__).resolve().parents[1] / ".triton"
-
-
 @pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None and not (_TRITON_DIR / "triton").is_dir(),
+    importlib.util.find_spec("triton") is None and not (TRITON_DIR / "triton").is_dir(),
     reason="triton is neither installed nor in .triton/ (run `make setup`)",
 )
 def test_a_process_with_triton_loaded_ends_without_nanobinds_leak_report() -> None:
@@ -120,7 +118,7 @@ def test_a_process_with_triton_loaded_ends_without_nanobinds_leak_report() -> No
     env = dict(os.environ)
     paths = [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
     if importlib.util.find_spec("triton") is None:  # the CPU setup's copy, for tests only
-        paths.insert(1, str(_TRITON_DIR))
+        paths.insert(1, str(TRITON_DIR))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     script = "import decodegraph, torch._dynamo, triton"  # (Dynamo of 2.10 does not import it)
     proc = subprocess.run(
