@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -230,8 +231,9 @@ class CpuPlatform(Platform):
     def allocate_kv_cache(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """Zeroed by the kernel, not by us, and on 2 MiB pages where the kernel allows
-        (transparent huge pages in "madvise" mode).
+        """Zeroed by the kernel, not by us, and on huge pages where the kernel allows
+        (transparent huge pages in "madvise" mode; their size is the kernel's,
+        huge_page_size).
 
         The cache is an anonymous private mapping of its own: its pages read as zeros
         until first written (POSIX guarantees it), so the null block and the unwritten
@@ -239,8 +241,8 @@ class CpuPlatform(Platform):
         start-up pass touches gigabytes to zero them (a 3 GB cache took seconds). A page
         is faulted in when decode first writes it, huge where the advice holds: decode
         reads blocks scattered over tens of MB, and with 4 KiB pages most block reads
-        miss the TLB (docs/performance.md). The tensor starts on a 2 MiB boundary of a
-        slightly larger mapping, so that its first blocks (the ones a fresh engine
+        miss the TLB (docs/performance.md). The tensor starts on a huge-page boundary of
+        a slightly larger mapping, so that its first blocks (the ones a fresh engine
         hands out first) are on huge pages too (_huge_page_bytes)."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         cache = _huge_page_bytes(nbytes).view(dtype).view(shape)
@@ -248,11 +250,11 @@ class CpuPlatform(Platform):
 
     def place_parameters(self, model: torch.nn.Module) -> None:
         """Every parameter that owns its memory moves, before loading, into one
-        anonymous mapping on 2 MiB pages where the kernel allows (transparent huge pages
+        anonymous mapping on huge pages where the kernel allows (transparent huge pages
         in "madvise" mode), packed at 64-byte boundaries.
 
         A decode step streams every weight once; with 4 KiB pages the stream walks the
-        page tables every 4 KiB, and on 2 MiB pages one thread reads the weights faster
+        page tables every 4 KiB, and on huge pages one thread reads the weights faster
         (docs/performance.md, "weights on huge pages"). Nothing is copied: parameters
         are uninitialised until loading writes them (get_model), so loading's first
         touches fault in huge pages directly. Tied parameters move once; a parameter
@@ -306,31 +308,53 @@ class CpuPlatform(Platform):
 
 
 _MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
+# The kernel's transparent huge page size: 2 MiB on x86-64 and on 4 KiB-page ARM
+# kernels, 512 MiB on 64 KiB-page ARM kernels, 32 MiB on 16 KiB-page ones.
+_PMD_SIZE_FILE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+_DEFAULT_HUGE_PAGE = 2 << 20
 # Where place_parameters packs parameters: a cache line (and every dtype's alignment).
 _PARAMETER_ALIGNMENT = 64
 
 
+@functools.cache
+def huge_page_size() -> int:
+    """The size of this kernel's transparent huge pages (its PMD size), from sysfs; 2 MiB
+    where the file is missing or unreadable."""
+    try:
+        size = int(_PMD_SIZE_FILE.read_text())
+    except (OSError, ValueError):
+        return _DEFAULT_HUGE_PAGE
+    return size if size > 0 and size & (size - 1) == 0 else _DEFAULT_HUGE_PAGE
+
+
 def _huge_page_bytes(nbytes: int) -> torch.Tensor:
-    """`nbytes` zero bytes (uint8) of an anonymous private mapping of their own, from a
-    2 MiB boundary of a slightly larger mapping, advised onto transparent huge pages.
+    """`nbytes` zero bytes (uint8) of an anonymous private mapping of their own, advised
+    onto transparent huge pages. Where they fill a huge page or more, they start on a
+    huge-page boundary of a mapping one huge page larger (address space only: untouched
+    pages take no memory), so that their first bytes can be on a huge page too.
 
     The pages read as zeros until first written (POSIX guarantees it) and are faulted in
     when first touched, huge where the advice holds. Every tensor viewing the bytes
     holds the mapping; it is unmapped with the last one's storage."""
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = huge_page_size()
+    slack = huge if nbytes >= huge else 0
+    mapping = mmap.mmap(-1, nbytes + slack, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    skip = -raw.data_ptr() % _HUGE_PAGE
+    skip = -raw.data_ptr() % huge if slack else 0
     data = raw[skip : skip + nbytes]
     _advise_huge_pages(data)
     return data
 
 
 def _advise_huge_pages(tensor: torch.Tensor) -> None:
-    """madvise(MADV_HUGEPAGE) over the 2 MiB-aligned part of `tensor`'s memory; a no-op
-    where the call is unavailable or refused."""
-    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    """madvise(MADV_HUGEPAGE) over the pages holding `tensor`'s memory, which must be
+    all of its mapping's or the middle of one of ours (_huge_page_bytes). The kernel
+    puts huge pages where a huge page's aligned range lies inside, and where it has
+    smaller multi-size ones, those in the rest. A no-op where the call is unavailable or
+    refused."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
     if end <= start or not sys.platform.startswith("linux"):
         return
     try:

@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import itertools
 import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from decodegraph.config import CompilationConfig, DeviceConfig, ModelConfig
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.graphs.modes import CUDAGraphMode
 from decodegraph.models.loader import get_model, load_hf_config
+from decodegraph.platforms import cpu as cpu_platform
 from decodegraph.platforms import get_platform, platform_names
 from decodegraph.platforms.base import FairRLock, Platform
 from decodegraph.platforms.cpu import CpuPlatform
@@ -329,17 +331,76 @@ def test_the_graph_pool_reserve_does_not_starve_a_small_model(
     )
 
 
+def _smaps_entry(address: int) -> dict[str, str]:
+    """/proc/self/smaps' fields of the mapping holding `address`, with its range as
+    "start" and "end" (hex)."""
+    entry: dict[str, str] = {}
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            if entry:
+                return entry
+            start, end = head.split("-")
+            if int(start, 16) <= address < int(end, 16):
+                entry = {"start": start, "end": end}
+        elif entry:
+            entry[head.rstrip(":")] = rest.strip()
+    return entry
+
+
 def _thp_eligible(address: int) -> bool:
     """Whether the kernel may back the mapping holding `address` with huge pages."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
-    return False
+    return _smaps_entry(address).get("THPeligible") == "1"
+
+
+def _huge_page_advised(address: int) -> bool:
+    """Whether the mapping holding `address` has MADV_HUGEPAGE's flag ("hg")."""
+    return "hg" in _smaps_entry(address).get("VmFlags", "").split()
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("2097152\n", 2 << 20),  # x86-64, 4 KiB-page ARM kernels
+        ("536870912\n", 512 << 20),  # 64 KiB-page ARM kernels
+        ("33554432\n", 32 << 20),  # 16 KiB-page ARM kernels
+        ("3000\n", 2 << 20),  # not a power of two: not a page size
+        ("0\n", 2 << 20),
+        ("madvise\n", 2 << 20),
+        (None, 2 << 20),  # no transparent huge pages in this kernel
+    ],
+)
+def test_cpu_huge_page_size_is_the_kernels_pmd_size(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str | None, size: int
+) -> None:
+    pmd_size = tmp_path / "hpage_pmd_size"
+    if text is not None:
+        pmd_size.write_text(text)
+    monkeypatch.setattr(cpu_platform, "_PMD_SIZE_FILE", pmd_size)
+    cpu_platform.huge_page_size.cache_clear()
+    try:
+        assert cpu_platform.huge_page_size() == size
+    finally:
+        cpu_platform.huge_page_size.cache_clear()
+
+
+def test_cpu_huge_page_mappings_follow_the_kernels_huge_page_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A 64 KiB-page ARM kernel's 512 MiB huge pages, stood for by 8 MiB here: bytes that
+    # fill one start on its boundary; fewer bytes take no slack, as no huge page fits.
+    # Either way the whole mapping is advised.
+    monkeypatch.setattr(cpu_platform, "huge_page_size", lambda: 8 << 20)
+    big = cpu_platform._huge_page_bytes((8 << 20) + 4096)
+    assert big.data_ptr() % (8 << 20) == 0
+    small = cpu_platform._huge_page_bytes((1 << 20) + 100)  # a part page at the end
+    entry = _smaps_entry(small.data_ptr())  # one mapping, advised to its last page
+    assert int(entry["end"], 16) - int(entry["start"], 16) == (1 << 20) + mmap.PAGESIZE
+    if sys.platform.startswith("linux"):
+        assert _huge_page_advised(big.data_ptr()) and _huge_page_advised(small.data_ptr())
+    big.fill_(1)
+    small.fill_(2)
+    assert big.eq(1).all() and small.eq(2).all()
 
 
 def test_cpu_kv_caches_are_zeros_and_advised_onto_huge_pages() -> None:
@@ -349,7 +410,7 @@ def test_cpu_kv_caches_are_zeros_and_advised_onto_huge_pages() -> None:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text():
         pytest.skip("transparent huge pages are off on this machine")
-    assert cache.data_ptr() % (2 << 20) == 0  # its first blocks on huge pages too
+    assert cache.data_ptr() % cpu_platform.huge_page_size() == 0  # its first blocks too
     assert _thp_eligible(cache.data_ptr() + cache.nbytes // 2)
     assert _thp_eligible(cache.data_ptr())
 
@@ -397,7 +458,7 @@ def test_cpu_parameters_are_packed_into_one_huge_page_mapping_before_loading(
     assert model.tied.weight.data_ptr() == model.head.weight.data_ptr()
     assert model.view.data_ptr() == view_ptr
     moved = sorted((p.data_ptr(), p.nbytes) for n, p in model.named_parameters() if n != "view")
-    assert moved[0][0] % (2 << 20) == 0
+    assert moved[0][0] % cpu_platform.huge_page_size() == 0
     for (start, nbytes), (next_start, _) in itertools.pairwise(moved):
         assert start % 64 == 0 and start + nbytes <= next_start < start + nbytes + 64
     # Writable, and each parameter's own memory.
@@ -436,7 +497,10 @@ def test_get_model_loads_into_the_placed_parameters(stories_dir: Path) -> None:
     for name, p in placed.named_parameters():
         assert torch.equal(p, weights[name]), name
         starts.append(p.data_ptr())
-    assert min(starts) % (2 << 20) == 0
+    # One mapping of the platform's, advised onto huge pages.
+    assert len({_smaps_entry(start)["start"] for start in starts}) == 1
+    if sys.platform.startswith("linux"):
+        assert _huge_page_advised(min(starts))
     hidden = torch.randn(1, hf_config.hidden_size)
     assert torch.equal(placed.compute_logits(hidden), plain.compute_logits(hidden))
 
