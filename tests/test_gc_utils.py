@@ -5,8 +5,6 @@ the interpreter's teardown, except where triton is loaded."""
 from __future__ import annotations
 
 import gc
-import importlib.util
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +15,7 @@ import pytest
 from decodegraph import LLM
 from decodegraph.gc_utils import collector_paused, freeze_at_exit, frozen_heap
 from decodegraph.worker.model_runner import ModelRunner
-from tests.utils.triton import TRITON_DIR
+from tests.utils.triton import NO_TRITON, env_with_triton, triton_findable
 
 
 @pytest.fixture
@@ -106,20 +104,13 @@ def test_the_heap_is_frozen_at_exit_unless_triton_is_loaded(
     assert gc.get_freeze_count() == 0
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None and not (TRITON_DIR / "triton").is_dir(),
-    reason="triton is neither installed nor in .triton/ (run `make setup`)",
-)
+@pytest.mark.skipif(not triton_findable(), reason=NO_TRITON)
 def test_a_process_with_triton_loaded_ends_without_nanobinds_leak_report() -> None:
     """torch's Dynamo imports triton wherever it is installed (any CUDA build of torch
     brings it), and nanobind, triton's binding library, reports every object of its own
     still alive at teardown: a frozen heap printed dozens of "leaked" lines at the end of
     every run."""
-    env = dict(os.environ)
-    paths = [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
-    if importlib.util.find_spec("triton") is None:  # the CPU setup's copy, for tests only
-        paths.insert(1, str(TRITON_DIR))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env = env_with_triton()
     script = "import decodegraph, torch._dynamo, triton"  # (Dynamo of 2.10 does not import it)
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300

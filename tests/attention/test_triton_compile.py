@@ -28,8 +28,9 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.utils.triton import NO_TRITON, TRITON_DIR, env_with_triton, triton_findable
+
 ROOT = Path(__file__).resolve().parents[2]
-TRITON_DIR = ROOT / ".triton"
 # sm_90: the H100/H200 this backend targets first.
 CAPABILITY = 90
 # Kernels that run once per token in every decode step may not spill at all; prefill
@@ -318,14 +319,10 @@ def _ptxas() -> Path | None:
 
 
 def test_every_kernel_variant_compiles_for_sm90_within_its_spill_limit() -> None:
-    env = dict(os.environ)
+    if not triton_findable():
+        pytest.skip(NO_TRITON)
+    env = env_with_triton()
     env.pop("TRITON_INTERPRET", None)
-    if importlib.util.find_spec("triton") is None:
-        if not (TRITON_DIR / "triton").is_dir():
-            pytest.skip("triton is neither installed nor in .triton/ (run `make setup`)")
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(ROOT), str(TRITON_DIR), env.get("PYTHONPATH", "")) if p
-        )
     if _ptxas() is None:
         pytest.skip("the triton wheel here ships no ptxas (backends/nvidia/bin/ptxas)")
     with tempfile.TemporaryDirectory() as cache:

@@ -112,8 +112,16 @@ def _build_and_run(isa: str, program_text: str, tmp_path: Path) -> list[str]:
     ]
     # Linked apart, without the flags: a link with -ffast-math adds the start-up code that
     # switches the whole program to flush-to-zero (the operators' library is not linked so).
-    link_cmd = [compiler, f"{program}.o", "-o", str(program), f"-L{torch_dir / 'lib'}", "-lc10"]
-    link_cmd.append(f"-Wl,-rpath,{torch_dir / 'lib'}")
+    lib = torch_dir / "lib"
+    link_cmd = [
+        compiler,
+        f"{program}.o",
+        "-o",
+        str(program),
+        f"-L{lib}",
+        "-lc10",
+        f"-Wl,-rpath,{lib}",
+    ]
     for cmd in (compile_cmd, link_cmd):
         subprocess.run(cmd, check=True, timeout=300, capture_output=True)
     out = subprocess.run([str(program)], capture_output=True, text=True, timeout=60, check=True)

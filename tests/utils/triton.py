@@ -20,16 +20,32 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DIR = Path(__file__).resolve().parents[2] / ".triton"
 
 
+NO_TRITON = "triton is neither installed nor in .triton/ (run `make setup`)"
+
+
+def triton_findable() -> bool:
+    """Whether a child process can import triton: installed, or in .triton/."""
+    return importlib.util.find_spec("triton") is not None or (TRITON_DIR / "triton").is_dir()
+
+
+def env_with_triton(**extra: str) -> dict[str, str]:
+    """This process's environment plus `extra`, for a child that imports triton and
+    decodegraph: the repository first on its PYTHONPATH, then .triton/ where triton is
+    not installed."""
+    env = dict(os.environ, **extra)
+    paths = [str(TRITON_DIR.parent), env.get("PYTHONPATH", "")]
+    if importlib.util.find_spec("triton") is None:  # the CPU setup's copy, for tests only
+        paths.insert(1, str(TRITON_DIR))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
 def run_interpreted(test_file: str, timeout: float = 900) -> None:
     """Run `test_file`'s pytest cases with TRITON_INTERPRET=1 in a child process; fail
     unless they all pass (none skipped), skip where triton is nowhere to be found."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    if importlib.util.find_spec("triton") is None:
-        if not (TRITON_DIR / "triton").is_dir():
-            pytest.skip("triton is neither installed nor in .triton/ (run `make setup`)")
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(TRITON_DIR), env.get("PYTHONPATH", "")) if p
-        )
+    if not triton_findable():
+        pytest.skip(NO_TRITON)
+    env = env_with_triton(TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
