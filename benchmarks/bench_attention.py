@@ -12,7 +12,8 @@ flags, as decodegraph.native builds them); one thread.
 Cases (float32, block size 16): stories260K's attention (8 heads of 8 over 4 KV heads)
 at 256 requests and contexts 32, 100 and 200 over its 5 layers (bench_decode.py's
 batched workload; out of the caches, as in the engine), and at 16 requests over one
-layer (in L2); Qwen2.5-0.5B's (14 heads of 64 over 2) at batch 1 and batch 64.
+layer (in L2), and at batch 1 (context 128, the mean of bench_decode.py's batch-1
+request); Qwen2.5-0.5B's (14 heads of 64 over 2) at batch 1 and batch 64.
 
     python benchmarks/bench_attention.py --base-tree /tmp/base      # git archive of a base
     python benchmarks/bench_attention.py --isas avx2 --rounds 30
@@ -41,6 +42,7 @@ CASES: dict[str, tuple[int, int, int, int, int, int]] = {
     "stories260K b256 ctx100 x5": (256, 100, 8, 4, 8, 5),
     "stories260K b256 ctx200 x5": (256, 200, 8, 4, 8, 5),
     "stories260K b16 ctx112 (L2)": (16, 112, 8, 4, 8, 1),
+    "stories260K b1 ctx128 x5": (1, 128, 8, 4, 8, 5),
     "0.5B b1 ctx1024": (1, 1024, 14, 2, 64, 1),
     "0.5B b64 ctx256": (64, 256, 14, 2, 64, 1),
 }

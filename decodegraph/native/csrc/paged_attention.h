@@ -165,14 +165,16 @@ struct RowFetch {
 };
 
 // attend_group for float32 at constant D, G and BS with the whole context in view (no
-// sliding window, no soft-capping), where the G x D accumulators are few enough for
-// registers: two straight passes (the scores; the weights, each made as its vector of V
-// is weighed), each a loop over whole blocks and then the last block's live vectors, with
-// no per-vector branch (attend_group's loops, one body for full and partial vectors, keep
-// their accumulators in memory). The same sums in the same order as attend_group's, so
-// the same result to the bit on AVX2 and AVX-512 (the portable loops' lane sums are plain
-// loops that -ffast-math may reorder differently in each).
-template <int64_t D, int64_t G, int64_t BS>
+// sliding window, no soft-capping), where the accumulators are few enough for registers:
+// straight passes, each a loop over whole blocks and then the last block's live vectors,
+// with no per-vector branch (attend_group's loops, one body for full and partial vectors,
+// keep their accumulators in memory). One pass scores all G heads (G accumulators, each
+// vector of K loaded once for all); then passes of GV heads at a time weigh V (GV x D
+// accumulators, each weight made as its vector of V is weighed): G where the group's
+// G x D fit the registers, fewer where they would spill. The same sums in the same order
+// as attend_group's, so the same result to the bit on AVX2 and AVX-512 (the portable
+// loops' lane sums are plain loops that -ffast-math may reorder differently in each).
+template <int64_t D, int64_t G, int64_t BS, int64_t GV = G>
 void attend_group_blocks(const float* q, const float* kc, const float* vc, const int32_t* bt,
                          int64_t len, int64_t tile_stride, int64_t tile_off, float scale,
                          float* __restrict__ sc, int64_t sc_stride, float* o, RowFetch* fetch) {
@@ -225,38 +227,45 @@ void attend_group_blocks(const float* q, const float* kc, const float* vc, const
     each_vector(kc, score);
     for (int64_t j = 0; j < G; j++)
         m[j] = Vec(max(m[j]));
-    // The weighted sums of V, each vector's weights made as it is weighed (exp of the
-    // score less the maximum, 0 past the context, added to their sum): V's loads past the
-    // context are 0 too.
-    std::array<Vec, G * D> acc;
-    for (int64_t i = 0; i < G * D; i++)
-        acc[i] = Vec(0.f);
-    auto weigh = [&](const float* v, int64_t p, int64_t n) DG_INLINE {
-        std::array<Vec, G> w;
-        for (int64_t j = 0; j < G; j++) {
-            w[j] = exp(Vec::loadu(sc + j * sc_stride + p) - m[j]);
-            if (n < kLanes)
-                w[j] = Vec::blendv(Vec(0.f), w[j], lanes(0, n));
-            l[j] = l[j] + w[j];
+    // The weighted sums of V for heads [j0, j0 + GV), each vector's weights made as it is
+    // weighed (exp of the score less the maximum, 0 past the context, added to their
+    // sum): V's loads past the context are 0 too. The first pass steps the later row's
+    // fetch (with the scores' pass, a pass of K and one of V, as for one head).
+    for (int64_t j0 = 0; j0 < G; j0 += GV) {
+        std::array<Vec, GV * D> acc;
+        for (int64_t i = 0; i < GV * D; i++)
+            acc[i] = Vec(0.f);
+        auto weigh = [&](const float* v, int64_t p, int64_t n) DG_INLINE {
+            std::array<Vec, GV> w;
+            for (int64_t j = 0; j < GV; j++) {
+                w[j] = exp(Vec::loadu(sc + (j0 + j) * sc_stride + p) - m[j0 + j]);
+                if (n < kLanes)
+                    w[j] = Vec::blendv(Vec(0.f), w[j], lanes(0, n));
+                l[j0 + j] = l[j0 + j] + w[j];
+            }
+            for (int64_t i = 0; i < D; i++) {
+                const Vec vv = n == kLanes ? Vec::loadu(v + i * BS) : Vec::loadu(v + i * BS, n);
+                for (int64_t j = 0; j < GV; j++)
+                    acc[j * D + i] = at::vec::fmadd(w[j], vv, acc[j * D + i]);
+            }
+        };
+        each_vector(vc, weigh);
+        if (j0 == 0)
+            fetch = nullptr;
+        // o[(j0 + j) * D + i] = (lane sum of acc[j * D + i]) / (lane sum of l[j0 + j]),
+        // Vec::size() outputs at a time: sum_lanes adds them in sum's order, in a few
+        // shuffles for all.
+        float inv[GV * D];
+        for (int64_t j = 0; j < GV; j++) {
+            const float inv_j = 1.f / sum(l[j0 + j]);
+            for (int64_t i = 0; i < D; i++)
+                inv[j * D + i] = inv_j;
         }
-        for (int64_t i = 0; i < D; i++) {
-            const Vec vv = n == kLanes ? Vec::loadu(v + i * BS) : Vec::loadu(v + i * BS, n);
-            for (int64_t j = 0; j < G; j++)
-                acc[j * D + i] = at::vec::fmadd(w[j], vv, acc[j * D + i]);
+        float* out = o + j0 * D;
+        for (int64_t c = 0; c < GV * D; c += kLanes) {
+            const int64_t n = GV * D - c < kLanes ? GV * D - c : kLanes;
+            (sum_lanes(&acc[c], n) * Vec::loadu(inv + c, n)).store(out + c, n);
         }
-    };
-    each_vector(vc, weigh);
-    // o[j * D + i] = (lane sum of acc[j * D + i]) / (lane sum of l[j]), Vec::size()
-    // outputs at a time: sum_lanes adds them in sum's order, in a few shuffles for all.
-    float inv[G * D];
-    for (int64_t j = 0; j < G; j++) {
-        const float inv_j = 1.f / sum(l[j]);
-        for (int64_t i = 0; i < D; i++)
-            inv[j * D + i] = inv_j;
-    }
-    for (int64_t c = 0; c < G * D; c += kLanes) {
-        const int64_t n = G * D - c < kLanes ? G * D - c : kLanes;
-        (sum_lanes(&acc[c], n) * Vec::loadu(inv + c, n)).store(o + c, n);
     }
 }
 
@@ -431,14 +440,11 @@ inline void attend_f32(const float* q, const void* k_cache, const void* v_cache,
             const float *kc = static_cast<const float*>(k_cache),
                         *vc = static_cast<const float*>(v_cache);
             if constexpr (G > 1 && G * D + 4 > kVecRegisters) {
-                // One head at a time, each its own D accumulators (the group's would not
-                // fit the registers: spilled, they cost more than loading K and V again
-                // from L1); the same sums per head. The first head's passes step the
-                // later row's fetch.
-                for (int64_t j = 0; j < G; j++)
-                    attend_group_blocks<D, 1, BS>(q + j * D, kc, vc, bt, len, tile_stride,
-                                                  tile_off, scale, sc + j * sc_stride,
-                                                  sc_stride, o + j * D, j == 0 ? fetch : nullptr);
+                // V weighed one head at a time, each its own D accumulators (the group's
+                // would not fit the registers: spilled, they cost more than loading V
+                // again from L1); the same sums per head.
+                attend_group_blocks<D, G, BS, 1>(q, kc, vc, bt, len, tile_stride, tile_off,
+                                                 scale, sc, sc_stride, o, fetch);
             } else {
                 attend_group_blocks<D, G, BS>(q, kc, vc, bt, len, tile_stride, tile_off, scale,
                                               sc, sc_stride, o, fetch);
