@@ -7,7 +7,6 @@ import gc
 import importlib.util
 import itertools
 import logging
-import mmap
 import os
 import subprocess
 import sys
@@ -394,10 +393,12 @@ def test_cpu_huge_page_mappings_follow_the_kernels_huge_page_size(
     big = cpu_platform._huge_page_bytes((8 << 20) + 4096)
     assert big.data_ptr() % (8 << 20) == 0
     small = cpu_platform._huge_page_bytes((1 << 20) + 100)  # a part page at the end
-    entry = _smaps_entry(small.data_ptr())  # one mapping, advised to its last page
-    assert int(entry["end"], 16) - int(entry["start"], 16) == (1 << 20) + mmap.PAGESIZE
+    # Advised to the last page (the kernel may merge the mapping with a neighbour advised
+    # alike, so its size is not checked).
+    ends = (small.data_ptr(), small.data_ptr() + small.numel() - 1)
     if sys.platform.startswith("linux"):
-        assert _huge_page_advised(big.data_ptr()) and _huge_page_advised(small.data_ptr())
+        assert _huge_page_advised(big.data_ptr())
+        assert all(_huge_page_advised(address) for address in ends)
     big.fill_(1)
     small.fill_(2)
     assert big.eq(1).all() and small.eq(2).all()
