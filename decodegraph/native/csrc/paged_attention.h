@@ -439,16 +439,11 @@ inline void attend_f32(const float* q, const void* k_cache, const void* v_cache,
         if (start == 0 && softcap == 0.f) {
             const float *kc = static_cast<const float*>(k_cache),
                         *vc = static_cast<const float*>(v_cache);
-            if constexpr (G > 1 && G * D + 4 > kVecRegisters) {
-                // V weighed one head at a time, each its own D accumulators (the group's
-                // would not fit the registers: spilled, they cost more than loading V
-                // again from L1); the same sums per head.
-                attend_group_blocks<D, G, BS, 1>(q, kc, vc, bt, len, tile_stride, tile_off,
-                                                 scale, sc, sc_stride, o, fetch);
-            } else {
-                attend_group_blocks<D, G, BS>(q, kc, vc, bt, len, tile_stride, tile_off, scale,
+            // V weighed one head at a time where the group's G x D accumulators would not
+            // fit the registers (spilled, they cost more than loading V again from L1).
+            constexpr int64_t GV = G * D + 4 > kVecRegisters ? 1 : G;
+            attend_group_blocks<D, G, BS, GV>(q, kc, vc, bt, len, tile_stride, tile_off, scale,
                                               sc, sc_stride, o, fetch);
-            }
             return;
         }
     }
