@@ -120,10 +120,12 @@ export TORCHINDUCTOR_CACHE_DIR=$DIR/inductor
 cd "$REPO"
 python -c 'import platform, torch; print("emulated:", platform.machine(), "torch", torch.__version__)'
 # Left out, for what emulation lacks, not ARM: qemu-user takes MADV_HUGEPAGE and shows no
-# huge pages in smaps (the two huge-page tests), the emulated Python has no pip (the
+# huge pages nor their advice in smaps (the huge-page tests, and the placed parameters'
+# check of their advice), the emulated Python has no pip (the
 # wheel and console-script tests: no install), and Ray's cluster does not come up
 # within its tests' time limits under emulation (its GCS and raylet time out).
-NOT_EMULATED="not huge_page and not test_the_wheel_holds_every_native_source \
+NOT_EMULATED="not huge_page and not placed_parameters \
+and not test_the_wheel_holds_every_native_source \
 and not test_console_script_is_installed and not ray_executor and not RayExecutor \
 and not ray_backend"
 if [ $# -eq 0 ]; then
