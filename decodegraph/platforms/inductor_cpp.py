@@ -153,7 +153,26 @@ def entry_call(call: Callable[[list], list]) -> Callable[[list], list]:
     from_handles = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
     if entry is None or not (to_handles and from_handles):
         return call
-    return lambda args: from_handles(entry(to_handles(args)))
+
+    def direct(args: list) -> list:
+        try:
+            return from_handles(entry(to_handles(args)))
+        except RuntimeError as error:
+            full = _graph_error(str(error))
+            if full == str(error):
+                raise
+            raise RuntimeError(full) from error
+
+    return direct
+
+
+def _graph_error(message: str) -> str:
+    """A C++ wrapper's error with the reason a failed shim call stored for this thread
+    (csrc/graph_entry.h's graph_error): the wrapper itself says only which call failed."""
+    from decodegraph import native
+
+    ops = native.load_cpu_ops()
+    return ops.graph_error(message) if ops is not None and hasattr(ops, "graph_error") else message
 
 
 def _module_entry(call: Callable[[list], list]) -> Callable[[Any], Any] | None:

@@ -434,13 +434,21 @@ def _compiled_with_platform_options(
     return graph, "\n".join(code)
 
 
-@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize(
+    ("windowed", "bound"), [(False, True), (True, True), (False, False)], ids=str
+)
 def test_an_inductor_graph_calls_the_attention_through_its_c_shim(
-    c_shims: object, windowed: bool
+    c_shims: object, windowed: bool, bound: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The C++ wrapper calls the attention (and the windowed, soft-capped one) as a C
     function, not through the dispatcher, with the bits of an eager call: one decode at
-    position 17 over two blocks of 16, 8 query heads of 8 over 4 KV heads."""
+    position 17 over two blocks of 16, 8 query heads of 8 over 4 KV heads. When the
+    operator refuses its arguments, the error names the call and gives the operator's
+    own reason, through the bound entry and through the module's entry alike."""
+    from decodegraph.platforms import cpu_graph
+
+    if not bound:
+        monkeypatch.setattr(cpu_graph, "bind_entry", lambda *args: None)
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = (torch.randn(3, 4, 8, 16, generator=gen) for _ in range(2))
     meta = (
@@ -467,7 +475,8 @@ def test_an_inductor_graph_calls_the_attention_through_its_c_shim(
     kv.copy_(torch.randn(1, 64, generator=gen))
     assert torch.equal(graph.replay(), attend(q, kv))
     meta[-1].fill_(5)  # more requests than the batch's tensors: the operator refuses
-    with pytest.raises(RuntimeError):
+    failed = rf"aoti_torch_cpu_{name}\(.* API call failed at .*: paged_attention: 5 requests"
+    with pytest.raises(RuntimeError, match=failed):
         graph.replay()
     meta[-1].fill_(1)  # the shim's failure left nothing behind
     assert torch.equal(graph.replay(), attend(q, kv))

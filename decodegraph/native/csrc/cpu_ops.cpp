@@ -481,6 +481,8 @@ int64_t graph_entry_make(const std::vector<at::Tensor>& inputs, int64_t impl,
 
 int64_t graph_entry_binder() { return reinterpret_cast<int64_t>(&decodegraph_graph_entry_bind); }
 
+std::string graph_error_op(const std::string& what) { return graph_error(what.c_str()); }
+
 }  // namespace
 
 TORCH_LIBRARY(decodegraph_cpu, m) {
@@ -494,6 +496,8 @@ TORCH_LIBRARY(decodegraph_cpu, m) {
     m.def("graph_entry_make(Tensor[] inputs, int impl, int num_outputs, int borrowed=0) -> int",
           &graph_entry_make);
     m.def("graph_entry_binder() -> int", &graph_entry_binder);
+    // A compiled graph's error with the reason its failed shim call stored (graph_entry.h).
+    m.def("graph_error(str what) -> str", &graph_error_op);
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");

@@ -24,7 +24,13 @@
 
 #include <cstdint>
 #include <exception>
+#include <string>
 #include <vector>
+
+#if __has_include(<torch/csrc/shim_exception_state.h>)
+#include <torch/csrc/shim_exception_state.h>
+#define DECODEGRAPH_SHIM_ERROR 1
+#endif
 
 // libtorch_python's tensor -> Python object (torch/csrc/autograd/python_variable.h, whose
 // pybind11 includes would double this library's build time).
@@ -54,6 +60,21 @@ struct GraphEntry {
             lent[i] = reinterpret_cast<AtenTensorHandle>(new at::Tensor(inputs[i]));
     }
 };
+
+// A C++ wrapper's error in full. An operator called through its C shim that throws
+// leaves the wrapper only an error code, and the wrapper throws "<call> API call failed
+// at <file>, line <n>"; the shim stored the operator's own message for the thread, which
+// is added here (as the wrapper gave it where this torch stores none).
+inline std::string graph_error(const char* what) {
+    std::string message(what);
+#ifdef DECODEGRAPH_SHIM_ERROR
+    namespace shim = torch::csrc::shim::details;
+    const std::string& reason = shim::get_torch_exception_what_without_backtrace();
+    if (message.find(" API call failed at ") != std::string::npos && !reason.empty())
+        message += ": " + reason;
+#endif
+    return message;
+}
 
 // An alias of t: another tensor object over the same memory and layout.
 inline at::Tensor alias_of(const at::Tensor& t) {
@@ -90,7 +111,7 @@ extern "C" inline PyObject* decodegraph_graph_entry_call(void* entry) {
         e->impl(in.data(), out.data());
         failed = false;
     } catch (const std::exception& err) {
-        PyErr_SetString(PyExc_RuntimeError, err.what());
+        PyErr_SetString(PyExc_RuntimeError, decodegraph::graph_error(err.what()).c_str());
     } catch (...) {
         PyErr_SetString(PyExc_RuntimeError, "a compiled graph's entry failed");
     }
