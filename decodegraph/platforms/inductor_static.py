@@ -6,10 +6,11 @@ is done with it; at batch 1 on a small model those objects are a noticeable shar
 replay (docs/performance.md). A device graph has no such cost: its intermediates live
 at fixed addresses from capture on. `static_buffers()` makes a CPU graph's wrapper do the
 same. Each intermediate it allocates is made once, on the wrapper's first call in a
-thread, and kept for the process (a thread-local handle per allocation site); later
-calls reuse it, as Inductor's own buffer reuse already reuses a freed buffer within a
-call. Inductor never reads an intermediate before writing it, so what a call leaves
-behind is never seen by the next.
+thread (outside inference mode, whatever the mode of that call), and kept for the
+process (a thread-local handle per allocation site); later calls, in any mode, reuse it,
+as Inductor's own buffer reuse already reuses a freed buffer within a call. Inductor
+never reads an intermediate before writing it, so what a call leaves behind is never
+seen by the next.
 
 What stays per call: every buffer a graph output is or aliases (a caller may hold the
 outputs of one replay past the next, and the graph runner's first-replay checks compare
@@ -69,7 +70,12 @@ extern "C" void {BORROWED_ENTRY}(AtenTensorHandle* input_handles, AtenTensorHand
 }}
 """
 # Bump when the generated code changes: the FX graph cache key of static modules.
-VERSION = "decodegraph-static-buffers-2"
+VERSION = "decodegraph-static-buffers-3"
+# A static intermediate is made outside inference mode, whatever the mode of the call
+# that makes it: an inference tensor cannot be written outside inference mode through
+# the dispatcher (addmm's kernel copies its bias into the output so), and a thread's
+# intermediates serve its calls in any mode.
+NORMAL_TENSORS = "c10::InferenceMode normal_tensors(false);"
 
 
 def applies(options: dict[str, object]) -> bool:
@@ -171,6 +177,7 @@ def _wrapper_class() -> type | None:
                 f"static thread_local RAIIAtenTensorHandle& {keep} = *new RAIIAtenTensorHandle();"
             )
             self.wrapper_call.writeline(f"if (!{keep}.get()) {{")
+            self.wrapper_call.writeline(f"    {NORMAL_TENSORS}")
             for line in body:
                 if line not in arrays:
                     self.wrapper_call.writeline("    " + line)
@@ -196,6 +203,7 @@ def _wrapper_class() -> type | None:
 
         def write_header(self) -> None:
             super().write_header()
+            self.header.writeline("#include <c10/core/InferenceMode.h>")
             self.header.writeline(f"static thread_local bool {BORROWED_FLAG} = false;")
 
         def generate_return(self, output_refs: list[str]) -> None:

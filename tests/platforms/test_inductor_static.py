@@ -81,6 +81,30 @@ def test_intermediates_are_made_once_and_outputs_at_every_call(cpu_ops: object) 
         assert torch.equal(t, k)
 
 
+def _biased(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An addmm into an intermediate: its CPU kernel copies the bias into the output
+    buffer through the dispatcher, which refuses to write an inference tensor outside
+    inference mode."""
+    h = torch.relu(x @ w) + 1
+    return torch.addmm(torch.tanh(h), h, w).sum(dim=-1)
+
+
+def test_intermediates_made_in_inference_mode_serve_calls_outside_it(cpu_ops: object) -> None:
+    """The engine runs its graphs in inference mode, a test or a user's code may not; a
+    thread's intermediates are made on its first call, whatever the mode then, and serve
+    every later call in either mode."""
+    from torch._inductor.utils import fresh_cache
+
+    x, w = torch.randn(16, 32), torch.randn(32, 32) / 8
+    with fresh_cache(), _sources() as sources, torch.inference_mode():
+        graph = CpuGraph("g", _biased, [x, w], True, _CPP_WRAPPER)  # its first call
+    assert STATIC_LINE in sources[-1] and "aoti_torch_cpu_addmm_out(" in sources[-1]
+    for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode, torch.no_grad):
+        x.copy_(torch.randn(16, 32))
+        with mode():
+            torch.testing.assert_close(graph.replay(), _biased(x, w))
+
+
 def test_threads_calling_one_module_at_once_each_get_their_own_intermediates(
     cpu_ops: object,
 ) -> None:
