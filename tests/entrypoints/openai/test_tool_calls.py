@@ -333,8 +333,11 @@ def test_streamed_auto_tool_call_arguments_come_in_fragments(
     server: RunningServer, llama_server: RunningServer, parser: str
 ) -> None:
     """As vLLM's parsers stream them: the call's first delta has its index, id, type
-    and name; then only argument fragments, several, which concatenate to the plain
-    answer's arguments."""
+    and name; then only argument fragments, which concatenate to the plain answer's
+    arguments. How many fragments depends on the client's pace: the engine's outputs put
+    while an earlier one waits for the client are merged into it, as vLLM's are (the
+    parsers' own tests feed token by token and count them: tool_parsers/
+    test_streamed_arguments.py)."""
     arguments = '{"city": "Oslo", "days": 3}'
     running, text = (
         (server, f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>')
@@ -359,7 +362,7 @@ def test_streamed_auto_tool_call_arguments_come_in_fragments(
     assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
     assert first.id.startswith("chatcmpl-tool-")
     assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
-    assert sum(1 for d in rest if d.function.arguments) >= 3
+    assert any(d.function.arguments for d in rest)
     streamed = "".join(d.function.arguments or "" for d in deltas)
     assert streamed == want.function.arguments == arguments
     assert finish == "tool_calls"
