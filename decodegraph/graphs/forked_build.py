@@ -16,7 +16,8 @@ index, platforms/cpu_graph_cache.py) and exits; the parent's thread waits for it
 the GIL, then makes the graph as before, which now finds Inductor's module in the index
 and only loads it. Nothing the child writes reaches the parent's memory; what it leaves
 is files in the caches. Where the child fails or runs too long, the parent builds as it
-would have (nothing is lost but the time).
+would have (nothing is lost but the time); a child that runs too long writes its stacks
+to standard error first.
 
 Fork copies no thread but the caller: a lock another thread holds at the fork stays
 held in the child for ever. The caller holds the engine's own locks across the fork
@@ -29,6 +30,7 @@ forked it.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -43,8 +45,12 @@ logger = logging.getLogger(__name__)
 # "0" builds on the thread only (as before this module), for a process that must not
 # fork (one that holds resources a copy would keep open, such as connections).
 FORKED_BUILDS_ENV = "DECODEGRAPH_FORKED_GRAPH_BUILDS"
-# How long the parent waits for a child before it stops it and builds itself.
-CHILD_TIMEOUT_S = 600.0
+# How long the parent waits for a child before it stops it and builds itself: far longer
+# than one graph's compile takes (docs/performance.md), so a child still running is stuck.
+CHILD_TIMEOUT_S = 300.0
+# Before the parent stops it, a child past this share of the wait writes every thread's
+# Python stack to its standard error (where it is stuck, for a report).
+_STACKS_AT = 0.9
 _POLL_S = 0.02
 
 
@@ -69,7 +75,7 @@ def run_forked(
             logger.debug("no forked graph build: %s", e)
             return False
         if pid == 0:
-            _child(work)  # never returns
+            _child(work, timeout_s * _STACKS_AT)  # never returns
     start = time.monotonic()
     while True:
         try:
@@ -94,9 +100,10 @@ def run_forked(
         time.sleep(_POLL_S)
 
 
-def _child(work: Callable[[], bool]) -> None:
+def _child(work: Callable[[], bool], stacks_after_s: float) -> None:
     code = 1
     try:
+        faulthandler.dump_traceback_later(stacks_after_s, exit=False)
         # The parent reports; the child's logs would say the same again, or say what
         # only the parent should (a failure the parent then meets for itself).
         logging.disable(logging.CRITICAL)

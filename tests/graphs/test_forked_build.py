@@ -83,6 +83,18 @@ def test_a_cancelled_or_overlong_child_is_stopped() -> None:
     assert time.monotonic() - started < 30
 
 
+def test_a_child_past_most_of_its_time_writes_where_it_is_stuck(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    def stuck_here() -> bool:
+        time.sleep(60)
+        return True
+
+    assert not run_forked(stuck_here, never, timeout_s=2.0)
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:01.8" in err and "in stuck_here" in err
+
+
 def test_a_child_reaped_elsewhere_counts_as_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """(A server's SIGCHLD handler may reap it first: the thread then builds itself.)"""
     waitpid = os.waitpid
