@@ -10,7 +10,11 @@ thread (outside inference mode, whatever the mode of that call), and kept for th
 process (a thread-local handle per allocation site); later calls, in any mode, reuse it,
 as Inductor's own buffer reuse already reuses a freed buffer within a call. Inductor
 never reads an intermediate before writing it, so what a call leaves behind is never
-seen by the next.
+seen by the next. A view of a static intermediate that the wrapper hands an opaque
+operator (the attention's q, k and v, three per layer), at a layout known statically, is
+made once per thread the same way, instead of a tensor object made and freed around each
+call; and the generated kernels get a static buffer's data pointer as kept when the
+buffer was made, not from a call into libtorch per argument per call.
 
 What stays per call: every buffer a graph output is or aliases (a caller may hold the
 outputs of one replay past the next, and the graph runner's first-replay checks compare
@@ -45,6 +49,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,12 +75,14 @@ extern "C" void {BORROWED_ENTRY}(AtenTensorHandle* input_handles, AtenTensorHand
 }}
 """
 # Bump when the generated code changes: the FX graph cache key of static modules.
-VERSION = "decodegraph-static-buffers-3"
-# A static intermediate is made outside inference mode, whatever the mode of the call
-# that makes it: an inference tensor cannot be written outside inference mode through
-# the dispatcher (addmm's kernel copies its bias into the output so), and a thread's
-# intermediates serve its calls in any mode.
+VERSION = "decodegraph-static-buffers-6"
+# A static intermediate (or view of one) is made outside inference mode, whatever the
+# mode of the call that makes it: an inference tensor cannot be written outside
+# inference mode through the dispatcher (addmm's kernel copies its bias into the output
+# so), and a thread's intermediates serve its calls in any mode.
 NORMAL_TENSORS = "c10::InferenceMode normal_tensors(false);"
+# A pointer argument of a generated kernel's call, as the C++ wrapper writes it.
+_DATA_PTR_ARG = re.compile(r"\(([^()]+\*)\)\((\w+)\.data_ptr\(\)\)")
 
 
 def applies(options: dict[str, object]) -> bool:
@@ -112,6 +119,11 @@ def _wrapper_class() -> type | None:
             self._into_outputs: set[str] | None = None
             # Whether the module may lend its inputs (set with its return).
             self._borrowable = False
+            # A static buffer's (or reuse's) thread-local copy of its data pointer.
+            self._data: dict[str, str] = {}
+            # While a view declares a buffer of its own (`auto buf = <view>;`: a reuse at
+            # another layout, an alias), Inductor's own view: the declaration takes it.
+            self._plain_views = False
 
         @staticmethod
         def create(
@@ -176,14 +188,17 @@ def _wrapper_class() -> type | None:
             self.wrapper_call.writeline(
                 f"static thread_local RAIIAtenTensorHandle& {keep} = *new RAIIAtenTensorHandle();"
             )
+            self.wrapper_call.writeline(f"static thread_local void* {keep}_data = nullptr;")
             self.wrapper_call.writeline(f"if (!{keep}.get()) {{")
             self.wrapper_call.writeline(f"    {NORMAL_TENSORS}")
             for line in body:
                 if line not in arrays:
                     self.wrapper_call.writeline("    " + line)
             self.wrapper_call.writeline(f"    {keep} = RAIIAtenTensorHandle({name}_handle);")
+            self.wrapper_call.writeline(f"    {keep}_data = {keep}.data_ptr();")
             self.wrapper_call.writeline("}")
             self._static.add(name)
+            self._data[name] = f"{keep}_data"
             return f"RAIIAtenTensorHandle& {name} = {keep};"
 
         def make_buffer_free(self, buffer: Any) -> str:
@@ -198,6 +213,43 @@ def _wrapper_class() -> type | None:
             inputs = [n for n in names_to_del if n in V.graph.graph_inputs]
             rest = [n for n in names_to_del if n not in self._static and n not in inputs]
             return " ".join([*map(_drop_input, inputs), super().make_free_by_names(rest)]).strip()
+
+        def wrap_kernel_call(self, name: str, call_args: list[str]) -> str:
+            # A generated kernel's pointer to a static buffer: the one kept when the
+            # buffer was made, not a call into libtorch for each argument of each call.
+            args = []
+            for arg in call_args:
+                match = _DATA_PTR_ARG.fullmatch(arg) if isinstance(arg, str) else None
+                if match is not None and match[2] in self._data:
+                    arg = f"({match[1]})({self._data[match[2]]})"
+                args.append(arg)
+            return super().wrap_kernel_call(name, args)
+
+        def codegen_reinterpret_view(  # type: ignore[override]
+            self, data, size, stride, offset, writeline, dtype=None
+        ) -> str:
+            view = super().codegen_reinterpret_view(data, size, stride, offset, writeline, dtype)
+            # A view of a static intermediate at a layout known statically (an opaque
+            # operator's argument: the attention's q, k and v): made once per thread too,
+            # as its base's memory never moves. Inductor's own is a tensor made and freed
+            # around each call.
+            if (
+                self._plain_views
+                or data.get_name() not in self._static
+                or not view.startswith(
+                    "wrap_with_raii_handle_if_needed(reinterpret_tensor_wrapper("
+                )
+                or not self.is_statically_known_list_of_ints(size)
+                or not self.is_statically_known_list_of_ints(stride)
+                or not (isinstance(offset, int) or getattr(offset, "is_Integer", False))
+            ):
+                return view
+            keep = f"{data.get_name()}_view_{next(self.tmp_tensor_id)}"
+            writeline(
+                f"static thread_local RAIIAtenTensorHandle& {keep} = *new RAIIAtenTensorHandle();"
+            )
+            writeline(f"if (!{keep}.get()) {{ {NORMAL_TENSORS} {keep} = {view}; }}")
+            return keep
 
         # ---------------------------------------------------- borrowed inputs
 
@@ -235,8 +287,23 @@ def _wrapper_class() -> type | None:
                 return super().make_buffer_reuse(old, new, delete_old)
             if old.get_size() == new.get_size() and old.get_stride() == new.get_stride():
                 self._static.add(new_name)
+                if old_name in self._data:
+                    self._data[new_name] = self._data[old_name]
                 return f"RAIIAtenTensorHandle& {new_name} = {old_name};  // reuse"
-            return super().make_buffer_reuse(old, new, delete_old)
+            with self._declaring_from_views():
+                return super().make_buffer_reuse(old, new, delete_old)
+
+        def codegen_deferred_allocation(self, name: str, view: Any) -> None:
+            with self._declaring_from_views():
+                super().codegen_deferred_allocation(name, view)
+
+        @contextlib.contextmanager
+        def _declaring_from_views(self) -> Iterator[None]:
+            self._plain_views = True
+            try:
+                yield
+            finally:
+                self._plain_views = False
 
     def _drop_input(name: str) -> str:
         """An input's early free: given back to a caller that lends its handles."""
