@@ -63,6 +63,7 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -258,6 +259,17 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _build_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
+    """The build cache's key: the sources' bytes, the flags, the CPU and torch, and where
+    the sources and torch's headers are. torch's builder rebuilds a library whose build
+    command changed, so two checkouts or environments that shared a directory would
+    rebuild it in turn (and one could load the other's half-written library)."""
+    source = b"".join(p.read_bytes() for p in sources)
+    where = f"{_CSRC.resolve()}|{Path(torch.__file__).resolve().parent}"
+    salt = " ".join(flags) + "|" + _cpu_id() + "|" + torch.__version__ + "|" + where
+    return hashlib.sha256(source + salt.encode()).hexdigest()[:16]
+
+
 @cache
 def load_cpu_ops() -> object | None:
     """`torch.ops.decodegraph_cpu` with its operators loaded, or None where they cannot
@@ -271,9 +283,7 @@ def load_cpu_ops() -> object | None:
             from torch.utils.cpp_extension import load
 
             sources = _sources()
-            source = b"".join(p.read_bytes() for p in sources)
-            salt = " ".join(flags) + "|" + _cpu_id() + "|" + torch.__version__
-            key = hashlib.sha256(source + salt.encode()).hexdigest()[:16]
+            key = _build_key(sources, flags)
             build_dir = _cache_dir() / f"cpu_ops_{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
             load(

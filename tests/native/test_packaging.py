@@ -179,6 +179,25 @@ def test_a_missing_header_is_named_in_the_warning(
     assert "DECODEGRAPH_NATIVE_KERNELS=0" in message
 
 
+def test_two_checkouts_of_the_same_sources_build_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's builder rebuilds a library whose build command changed (the include path
+    names the checkout), so the same sources in two places must not share a directory."""
+    from decodegraph import native
+
+    flags = ["-O3"]
+    here = native._build_key(native._sources(), flags)
+    assert native._build_key(native._sources(), flags) == here
+    copy = tmp_path / "csrc"
+    shutil.copytree(native._CSRC, copy)
+    monkeypatch.setattr(native, "_CSRC", copy)
+    assert native._build_key(native._sources(), flags) != here
+    assert native._build_key(native._sources(), ["-O2"]) != native._build_key(
+        native._sources(), flags
+    )
+
+
 def test_the_reason_of_a_failed_compile_is_its_diagnostic_not_the_command_line() -> None:
     err = RuntimeError(
         "Error building extension 'decodegraph_cpu_ops_0123': [1/2] c++ -MMD -MF cpu_ops.o.d "
