@@ -112,15 +112,15 @@ def _wrapper_class() -> type | None:
 
         def __init__(self) -> None:
             super().__init__()
-            self._static: set[str] = set()
+            # Each static buffer (or reuse of one) -> its thread-local handle's variable;
+            # `<handle>_data` holds its data pointer.
+            self._static: dict[str, str] = {}
             self._static_bytes = 0
             # Buffers whose memory a graph output is or aliases, once planned (None
             # before: nothing is static then).
             self._into_outputs: set[str] | None = None
             # Whether the module may lend its inputs (set with its return).
             self._borrowable = False
-            # A static buffer's (or reuse's) thread-local copy of its data pointer.
-            self._data: dict[str, str] = {}
             # While a view declares a buffer of its own (`auto buf = <view>;`: a reuse at
             # another layout, an alias), Inductor's own view: the declaration takes it.
             self._plain_views = False
@@ -197,8 +197,7 @@ def _wrapper_class() -> type | None:
             self.wrapper_call.writeline(f"    {keep} = RAIIAtenTensorHandle({name}_handle);")
             self.wrapper_call.writeline(f"    {keep}_data = {keep}.data_ptr();")
             self.wrapper_call.writeline("}")
-            self._static.add(name)
-            self._data[name] = f"{keep}_data"
+            self._static[name] = keep
             return f"RAIIAtenTensorHandle& {name} = {keep};"
 
         def make_buffer_free(self, buffer: Any) -> str:
@@ -220,8 +219,8 @@ def _wrapper_class() -> type | None:
             args = []
             for arg in call_args:
                 match = _DATA_PTR_ARG.fullmatch(arg) if isinstance(arg, str) else None
-                if match is not None and match[2] in self._data:
-                    arg = f"({match[1]})({self._data[match[2]]})"
+                if match is not None and match[2] in self._static:
+                    arg = f"({match[1]})({self._static[match[2]]}_data)"
                 args.append(arg)
             return super().wrap_kernel_call(name, args)
 
@@ -286,9 +285,7 @@ def _wrapper_class() -> type | None:
             if old_name not in self._static or new_name in V.graph.get_output_names():
                 return super().make_buffer_reuse(old, new, delete_old)
             if old.get_size() == new.get_size() and old.get_stride() == new.get_stride():
-                self._static.add(new_name)
-                if old_name in self._data:
-                    self._data[new_name] = self._data[old_name]
+                self._static[new_name] = self._static[old_name]
                 return f"RAIIAtenTensorHandle& {new_name} = {old_name};  // reuse"
             with self._declaring_from_views():
                 return super().make_buffer_reuse(old, new, delete_old)
