@@ -6,8 +6,10 @@
 // A case: `batch` decode requests of `context` positions, `heads` query heads over
 // `kv_heads`, head size `head_size`, block size 16, `layers` layers each with caches of
 // their own (a step's working set, as the engine's), float32. Blocks are a random
-// permutation, as a long-running block pool hands them out, on transparent huge pages
-// as the engine's KV cache is. Every value comes from one fixed seed: two builds of this
+// permutation, as a long-running block pool hands them out, or with `lockstep` in the
+// order a fresh pool gives requests that started together (block k of request r is
+// 1 + k * batch + r: bench_decode.py's batched workload), on transparent huge pages as
+// the engine's KV cache is. Every value comes from one fixed seed: two builds of this
 // file make the same inputs, so their outputs can be compared bit for bit.
 #include <sys/mman.h>
 
@@ -76,7 +78,8 @@ extern "C" {
 
 __attribute__((visibility("default"))) void* dg_case_new(int64_t batch, int64_t context,
                                                          int64_t heads, int64_t kv_heads,
-                                                         int64_t head_size, int64_t layers) {
+                                                         int64_t head_size, int64_t layers,
+                                                         int64_t lockstep) {
     auto* c = new Case{};
     c->batch = batch;
     c->context = context;
@@ -100,7 +103,12 @@ __attribute__((visibility("default"))) void* dg_case_new(int64_t batch, int64_t 
     std::vector<int32_t> ids(c->num_blocks - 1);
     for (int64_t i = 0; i < c->num_blocks - 1; i++)
         ids[i] = static_cast<int32_t>(i + 1);
-    std::shuffle(ids.begin(), ids.end(), rng);
+    if (lockstep)
+        for (int64_t r = 0; r < batch; r++)
+            for (int64_t k = 0; k < c->blocks_per_req; k++)
+                ids[r * c->blocks_per_req + k] = static_cast<int32_t>(1 + k * batch + r);
+    else
+        std::shuffle(ids.begin(), ids.end(), rng);
     c->block_tables = ids;
     c->seq_lens.assign(batch, static_cast<int32_t>(context));
     for (int64_t r = 0; r <= batch; r++)

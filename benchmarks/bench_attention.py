@@ -17,6 +17,7 @@ request); Qwen2.5-0.5B's (14 heads of 64 over 2) at batch 1 and batch 64.
 
     python benchmarks/bench_attention.py --base-tree /tmp/base      # git archive of a base
     python benchmarks/bench_attention.py --isas avx2 --rounds 30
+    python benchmarks/bench_attention.py --lockstep   # bench_decode's batched block order
 
 Without --base-tree only this tree runs. Prints a table per ISA and saves JSON under
 benchmarks/results/.
@@ -83,18 +84,18 @@ def build(tree: Path, isa: str, out: Path) -> Path:
 class Side:
     """One tree's kernel, loaded from its library, with a case of each shape asked for."""
 
-    def __init__(self, name: str, lib: Path, cases: list[str]) -> None:
+    def __init__(self, name: str, lib: Path, cases: list[str], lockstep: bool) -> None:
         self.name = name
         self.lib = ctypes.CDLL(str(lib), mode=ctypes.RTLD_LOCAL)
         i64 = ctypes.c_int64
         self.lib.dg_case_new.restype = ctypes.c_void_p
-        self.lib.dg_case_new.argtypes = [i64] * 6
+        self.lib.dg_case_new.argtypes = [i64] * 7
         self.lib.dg_case_time.restype = ctypes.c_double
         self.lib.dg_case_time.argtypes = [ctypes.c_void_p, i64]
         self.lib.dg_case_out.restype = ctypes.POINTER(ctypes.c_float)
         self.lib.dg_case_out.argtypes = [ctypes.c_void_p]
         self.lib.dg_case_free.argtypes = [ctypes.c_void_p]
-        self.cases = {name: self.lib.dg_case_new(*CASES[name]) for name in cases}
+        self.cases = {name: self.lib.dg_case_new(*CASES[name], int(lockstep)) for name in cases}
 
     def time(self, case: str, budget_us: float) -> float:
         """Microseconds per step: a warm-up step, then enough steps for `budget_us`."""
@@ -115,14 +116,19 @@ class Side:
 
 
 def run_isa(
-    isa: str, trees: dict[str, Path], cases: list[str], rounds: int, budget_us: float
+    isa: str,
+    trees: dict[str, Path],
+    cases: list[str],
+    rounds: int,
+    budget_us: float,
+    lockstep: bool,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_attention_") as tmp:
         sides = []
         for name, tree in trees.items():
             out = Path(tmp) / name
             out.mkdir()
-            sides.append(Side(name, build(tree, isa, out), cases))
+            sides.append(Side(name, build(tree, isa, out), cases, lockstep))
         times: dict[str, dict[str, list[float]]] = {s.name: {c: [] for c in cases} for s in sides}
         for _ in range(rounds):  # interleaved: each round, every case on every side
             for case in cases:
@@ -165,6 +171,12 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--budget-ms", type=float, default=20.0, help="timed steps per round")
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="block ids as a fresh pool gives requests that started together (bench_decode's "
+        "batched workload), not a random permutation",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_attention.json"))
     args = p.parse_args()
     isas = args.isas or [i for i in native.available_isas() if i != "scalar"]
@@ -180,9 +192,11 @@ def main() -> None:
     results = {
         "threads": 1,
         "rounds": args.rounds,
+        "lockstep": args.lockstep,
         "trees": {k: str(v) for k, v in trees.items()},
         "isas": {
-            isa: run_isa(isa, trees, args.cases, args.rounds, args.budget_ms * 1e3) for isa in isas
+            isa: run_isa(isa, trees, args.cases, args.rounds, args.budget_ms * 1e3, args.lockstep)
+            for isa in isas
         },
     }
     print()

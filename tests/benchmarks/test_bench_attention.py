@@ -1,6 +1,6 @@
 """benchmarks/bench_attention.py end to end: two trees' kernels built and loaded side by
 side in one process, on the same inputs (a tree against a copy of itself gives the same
-bits), and its JSON."""
+bits), with the blocks in random and in lockstep order, and its JSON."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(not shutil.which("g++"), reason="no C++ compiler")
-def test_a_tree_against_a_copy_of_itself_gives_the_same_bits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_a_tree_against_a_copy_of_itself_gives_the_same_bits(
+    tmp_path: Path, lockstep: bool
+) -> None:
     base = tmp_path / "base"
     shutil.copytree(ROOT / "decodegraph" / "native" / "csrc", base / "decodegraph/native/csrc")
     out = tmp_path / "attention.json"
@@ -27,12 +30,14 @@ def test_a_tree_against_a_copy_of_itself_gives_the_same_bits(tmp_path: Path) -> 
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_attention.py"),
          "--base-tree", str(base), "--isas", isa, "--cases", *cases,
-         "--rounds", "2", "--budget-ms", "1", "--out", str(out)],
+         "--rounds", "2", "--budget-ms", "1", "--out", str(out),
+         *(["--lockstep"] if lockstep else [])],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "attention"
+    assert result["lockstep"] is lockstep
     rows = result["isas"][isa]["cases"]
     assert list(rows) == cases
     for case in cases:

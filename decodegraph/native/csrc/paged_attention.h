@@ -134,19 +134,26 @@ struct Uninitialized {
 
 // A later decode row's whole blocks (K and V, every KV head: one contiguous run a block),
 // fetched into L2 a few cache lines at a time while this row's vectors go by: `step()`
-// after each vector of K or V the kernels visit, `per_step` lines of each cache a call,
-// so that the fetches spread over the row's compute. Asked for in one burst instead, the
-// lines queue behind the core's few miss buffers and the core waits for the burst before
-// it computes (docs/performance.md, "rows ahead, trickled").
+// after each vector of K or V the kernels visit, `lines` lines of each cache over the
+// row's `visits` steps, evenly (a running credit: one line each time it reaches
+// `visits`), so that the fetches spread over the row's compute and end with it. Asked
+// for in one burst instead, the lines queue behind the core's few miss buffers and the
+// core waits for the burst before it computes; asked for a whole line a step where the
+// rate is a fraction (2.1 lines a step rounded up to 3), the fetches ran ahead of the
+// compute in the same way, on a smaller scale (docs/performance.md, "rows ahead,
+// trickled", and 2026-12-08).
 struct RowFetch {
     const char *kc, *vc;
     const int32_t* bt;
     int64_t block, end;  // the next block to fetch, and the row's last block + 1
     int64_t at, bytes;   // the next line's offset in its block's run, and the run's bytes
-    int64_t per_step;
+    int64_t lines, visits;  // lines of each cache to fetch over `visits` steps
+    int64_t credit;         // lines x steps taken, less visits x lines fetched
 
     DG_INLINE void step() {
-        for (int64_t i = 0; i < per_step && block < end; i++) {
+        credit += lines;
+        while (credit >= visits && block < end) {
+            credit -= visits;
             const int64_t o = static_cast<int64_t>(bt[block]) * bytes + at;
             __builtin_prefetch(kc + o, 0, 2);
             __builtin_prefetch(vc + o, 0, 2);
@@ -159,8 +166,12 @@ struct RowFetch {
     }
     // What is left, at once (the row ended before its vectors had fetched it all).
     void finish() {
-        per_step = end * (bytes / 64 + 1);
-        step();
+        for (; block < end; block++, at = 0)
+            for (; at < bytes; at += 64) {
+                const int64_t o = static_cast<int64_t>(bt[block]) * bytes + at;
+                __builtin_prefetch(kc + o, 0, 2);
+                __builtin_prefetch(vc + o, 0, 2);
+            }
     }
 };
 
@@ -693,7 +704,9 @@ inline void paged_attention_requests(const paged_attention_step* a, int64_t r0, 
                              b1,
                              0,
                              bytes,
-                             visits > 0 ? (lines + visits - 1) / visits : lines};
+                             lines,
+                             visits > 0 ? visits : 1,
+                             0};
             ahead.later = &fetch;
         }
         write_request_kv(a, r);
