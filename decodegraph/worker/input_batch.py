@@ -2,12 +2,14 @@
 
 `InputBatch.prepare` writes a scheduled batch into the persistent buffers and returns
 the host values that go with them; `InputBatch.make_dummy` does the same for the capture
-and profiling batches. Both follow the padding convention of docs/design.md §5.
+and profiling batches. Both follow the padding convention of docs/design.md §5. A decode
+batch whose requests all decode again, in the same rows under the same key, goes one step
+on in place (`InputBatch.next_decode`): only what a step changes is written, as arrays.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +56,11 @@ class InputBatch:
     # What runs this batch and under which key (the dispatcher's answer).
     runtime_mode: RuntimeMode
     batch_descriptor: BatchDescriptor
+    # A decode batch whose every row samples: each row's position, and the buffers' write
+    # count once it was written (InputBuffers.writes); what next_decode goes on from.
+    # None for any other batch.
+    positions: np.ndarray | None = field(default=None, compare=False)
+    written: int = field(default=-1, compare=False)
 
     @classmethod
     def make_dummy(
@@ -90,6 +97,7 @@ class InputBatch:
         b.clear_block_rows(0, views)
         b.copy_to_device(num_tokens, views, num_reqs)
         b.num_reqs_np[0] = num_reqs
+        b.writes += 1
         key = BatchDescriptor(num_tokens, num_tokens if uniform else None, uniform)
         return cls(
             req_ids=[f"dummy-{i}" for i in range(num_reqs)],
@@ -148,6 +156,8 @@ class InputBatch:
             b.clear_block_rows(num_reqs, padded_reqs)
         b.copy_to_device(padded_tokens, padded_reqs, num_reqs)
         b.num_reqs_np[0] = num_reqs
+        b.writes += 1
+        decodes = uniform and len(sample_rows) == num_reqs
         return cls(
             req_ids=req_ids,
             num_reqs=num_reqs,
@@ -166,6 +176,8 @@ class InputBatch:
             sample_rows=sample_rows,
             runtime_mode=runtime_mode,
             batch_descriptor=key,
+            positions=b.positions.np[:num_reqs].copy() if decodes else None,
+            written=b.writes,
         )
 
     def advance(self, states: list[CachedRequestState], buffers: InputBuffers) -> InputBatch:
@@ -178,6 +190,7 @@ class InputBatch:
         b.wait_for_copies()
         seq_lens_cpu, _ = _write_rows(b, states, [1] * self.num_reqs)
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
+        b.writes += 1
         return InputBatch(
             self.req_ids,
             self.num_reqs,
@@ -192,6 +205,77 @@ class InputBatch:
             self.sample_rows,
             self.runtime_mode,
             self.batch_descriptor,
+        )
+
+    def continues_in_place(
+        self,
+        req_ids: list[str],
+        runtime_mode: RuntimeMode,
+        key: BatchDescriptor,
+        buffers: InputBuffers,
+    ) -> bool:
+        """Whether the next step's batch can be this one a token on (`next_decode`): this
+        is a decode batch whose every row sampled, the buffers hold it as it wrote them
+        (nothing wrote them since), and the next step runs the same requests in the same
+        order under the same mode and key. The caller checks that each request decodes one
+        token and none resumed (their rows would need writing afresh)."""
+        return (
+            self.positions is not None
+            and self.written == buffers.writes
+            and runtime_mode is self.runtime_mode
+            and key == self.batch_descriptor
+            and req_ids == self.req_ids
+        )
+
+    def next_decode(
+        self,
+        states: list[CachedRequestState],
+        token_ids: list[int],
+        grown_rows: list[int],
+        buffers: InputBuffers,
+    ) -> InputBatch:
+        """This batch one step on, written in place (where `continues_in_place`): each
+        request computes the token it sampled last step (`token_ids`, in batch order), one
+        position on. Only what a step changes is written, each array at once from the last
+        step's positions: token ids, positions, slots (from the block-table rows) and
+        context lengths, and the block-table rows of `grown_rows`, the requests given a
+        block since; the query starts, logits rows and padding stay. The buffers end as
+        prepare() would leave them, at a fraction of its cost for a large batch (a row at
+        a time in Python, each request's objects out of the caches after a forward)."""
+        b, n, bs = buffers, self.num_reqs, buffers.block_size
+        b.wait_for_copies()
+        positions = self.positions + 1
+        b.input_ids.np[:n] = token_ids
+        b.positions.np[:n] = positions
+        rows, columns, offsets = b.arange[:n], positions // bs, positions % bs
+        for g, table in enumerate(b.kv_groups):
+            for i in grown_rows:
+                table.write_row(i, states[i].block_ids[g])
+            blocks = table.block_table.np[rows, columns].astype(np.int64)
+            table.slot_mapping.np[:n] = blocks * bs + offsets
+        seq_lens = positions + 1
+        b.seq_lens.np[:n] = seq_lens
+        for state in states:
+            state.num_computed_tokens += 1  # this step computes it
+        b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, n)
+        b.writes += 1
+        seq_lens_cpu = seq_lens.tolist()
+        return InputBatch(
+            self.req_ids,
+            n,
+            n,
+            self.num_reqs_after_padding,
+            self.num_tokens_after_padding,
+            1,
+            max(seq_lens_cpu),
+            True,
+            self.query_start_loc_cpu,
+            seq_lens_cpu,
+            self.sample_rows,
+            self.runtime_mode,
+            self.batch_descriptor,
+            positions,
+            b.writes,
         )
 
     def attention_metadata(self, buffers: InputBuffers, group: int = 0) -> AttentionMetadata:

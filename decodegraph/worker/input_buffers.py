@@ -102,6 +102,9 @@ class InputBuffers:
             BlockTable(max_num_tokens, max_num_reqs, max_blocks_per_seq, device)
             for _ in range(num_kv_groups)
         ]
+        # Batches written into these buffers so far (InputBatch's writers count them): a
+        # decode batch goes on in place only from the buffers as it left them.
+        self.writes = 0
         # The step's request count as a host tensor (read by native attention operators).
         self.num_reqs_host = torch.zeros(1, dtype=torch.int32)
         self.num_reqs_np = self.num_reqs_host.numpy()

@@ -109,6 +109,10 @@ class ModelRunner:
         # Blocks of each KV cache group (the null block included), set by initialize_kv_cache.
         self.num_blocks_per_group: list[int] = []
         self.profile_peak_bytes = 0
+        # The last step's batch where it was a decode batch whose every row sampled, with
+        # the tokens it sampled (batch order): what the next step may go on from in place
+        # (InputBatch.next_decode).
+        self._last_decode: tuple[InputBatch, list[int]] | None = None
 
     # ---------------------------------------------------------------- start-up
 
@@ -248,12 +252,32 @@ class ModelRunner:
         self, so: SchedulerOutput, states: list[CachedRequestState], plan: StepPlan | None
     ) -> InputBatch:
         """Dispatch the batch (to the driver's plan, where it sent one) and write it into
-        the persistent buffers."""
+        the persistent buffers: as the last step's decode batch one token on, where it is
+        that (`_grown_rows`), else afresh."""
         num_reqs, num_tokens = len(states), so.total_num_scheduled_tokens
         mode, key = self.graph_runner.dispatch(num_tokens, num_reqs, num_tokens == num_reqs, plan)
+        last, self._last_decode = self._last_decode, None
+        if last is not None and so.num_steps == 1 and num_tokens == num_reqs:
+            batch, tokens = last
+            grown = self._grown_rows(so, batch)
+            if grown is not None and batch.continues_in_place(so.req_ids, mode, key, self.buffers):
+                return batch.next_decode(states, tokens, grown, self.buffers)
         return InputBatch.prepare(
             so.req_ids, states, so.num_scheduled_tokens, mode, key, self.buffers
         )
+
+    @staticmethod
+    def _grown_rows(so: SchedulerOutput, last: InputBatch) -> list[int] | None:
+        """The rows of `last` whose requests the scheduler gave blocks since, or None where
+        this step cannot be `last` a token on: a request is new or resumed."""
+        cached = so.scheduled_cached_reqs
+        if so.scheduled_new_reqs or any(cached.resumed_from_preemption):
+            return None
+        if not cached.req_ids:
+            return []
+        row = {req_id: i for i, req_id in enumerate(last.req_ids)}
+        grown = [row.get(req_id) for req_id in cached.req_ids]
+        return None if None in grown else grown
 
     @_in_inference_mode
     def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> ModelRunnerOutput:
@@ -432,6 +456,8 @@ class ModelRunner:
                 logprobs = [None] * batch.num_reqs
                 for i, lp in zip(rows, out.logprobs, strict=True):
                     logprobs[i] = lp
+        if batch.positions is not None and previous is None and so.num_steps == 1:
+            self._last_decode = (batch, sampled)  # every row sampled
         output = ModelRunnerOutput(batch.req_ids, sampled, logprobs)
         if self.requests.collecting_prompt_logprobs:
             output.prompt_logprobs_dict = prompt_logprobs.take_finished(states, rows)

@@ -180,6 +180,110 @@ def test_advance_writes_what_prepare_writes_for_the_next_decode_step(extra: int)
     assert advanced.slot_mapping.np[2:n].tolist() == [(30 + i) * BS + 1 for i in range(extra)]
 
 
+def _two_group_decode_states(extra: int) -> list[CachedRequestState]:
+    """Decodes at positions 3, 7 and 4 (x rows): a's and b's next tokens start a block."""
+    states = [
+        _state("a", [1, 2, 3, 4], 3, [1]),
+        _state("b", list(range(8)), 7, [3, 4]),
+        *(_state(f"x{i}", [20 + i] * 5, 4, [10 + i, 30 + i]) for i in range(extra)),
+    ]
+    for s in states:
+        s.block_ids = (s.block_ids[0], [100 + b for b in s.block_ids[0]])
+    return states
+
+
+def _sample_and_grow(states: list[CachedRequestState], tokens: list[int]) -> None:
+    """The step's sampled tokens appended, and the scheduler's next delta: a and b (rows 0
+    and 1) given their next block in both groups."""
+    for s, token in zip(states, tokens, strict=True):
+        s.append_output_token(token)
+    for s, block in ((states[0], 2), (states[1], 5)):
+        s.block_ids[0].append(block)
+        s.block_ids[1].append(100 + block)
+
+
+@pytest.mark.parametrize("extra", [0, 8], ids=["2 rows", "10 rows"])
+def test_next_decode_writes_what_prepare_writes_for_the_next_step(extra: int) -> None:
+    """A decode batch one step on in place (InputBatch.next_decode) leaves the buffers and
+    host values as a fresh prepare() of that step would: over two KV cache groups, with a
+    padded uniform key, where two requests start a block (their rows rewritten from the
+    delta); the states advance alike. Twice: the second step goes on from the first."""
+    n = 2 + extra
+    key = BatchDescriptor(n + 2, n + 2, True)
+
+    def buffers() -> InputBuffers:
+        return InputBuffers(n + 2, n + 2, 8, BS, torch.device("cpu"), num_kv_groups=2)
+
+    in_place = buffers()
+    states = _two_group_decode_states(extra)
+    ids = [s.req_id for s in states]
+    batch = InputBatch.prepare(ids, states, [1] * n, RuntimeMode.FULL, key, in_place)
+    history = [[9, 8] + [40 + i for i in range(extra)], [7, 6] + [60 + i for i in range(extra)]]
+    for step, tokens in enumerate(history):
+        assert batch.continues_in_place(ids, RuntimeMode.FULL, key, in_place)
+        if step == 0:
+            _sample_and_grow(states, tokens)
+            batch = batch.next_decode(states, tokens, [0, 1], in_place)
+        else:
+            for s, token in zip(states, tokens, strict=True):
+                s.append_output_token(token)
+            batch = batch.next_decode(states, tokens, [], in_place)
+        fresh = buffers()
+        again = _two_group_decode_states(extra)
+        for earlier, tokens_then in enumerate(history[: step + 1]):
+            for s in again:
+                s.num_computed_tokens += 1
+            if earlier == 0:
+                _sample_and_grow(again, tokens_then)
+            else:
+                for s, token in zip(again, tokens_then, strict=True):
+                    s.append_output_token(token)
+        want = InputBatch.prepare(ids, again, [1] * n, RuntimeMode.FULL, key, fresh)
+        assert batch == want
+        assert (
+            batch.positions.tolist()
+            == want.positions.tolist()
+            == [s.num_computed_tokens - 1 for s in again]
+        )
+        assert [s.num_computed_tokens for s in states] == [s.num_computed_tokens for s in again]
+        for name in ("input_ids", "positions", "seq_lens", "query_start_loc", "logits_indices"):
+            assert getattr(in_place, name).np.tolist() == getattr(fresh, name).np.tolist(), name
+        for g in range(2):
+            got, exp = in_place.kv_groups[g], fresh.kv_groups[g]
+            assert got.slot_mapping.np.tolist() == exp.slot_mapping.np.tolist()
+            assert got.block_table.np.tolist() == exp.block_table.np.tolist()
+        assert in_place.input_ids.np[:n].tolist() == tokens  # the tokens sampled last step
+    # a's and b's positions 5 and 9: the blocks the delta brought, one slot in.
+    assert in_place.kv_groups[0].slot_mapping.np[:2].tolist() == [2 * BS + 1, 5 * BS + 1]
+    assert in_place.kv_groups[1].slot_mapping.np[:2].tolist() == [102 * BS + 1, 105 * BS + 1]
+
+
+def test_a_decode_batch_goes_on_in_place_only_from_the_buffers_as_it_left_them() -> None:
+    """Not after another write into the buffers (a dummy batch of capture or of a graph
+    made in the background), nor under another key or mode, nor with other requests or
+    another order; and a batch with a row that does not sample never goes on."""
+    b = _buffers()
+    states = [_state("a", [1, 2, 3], 2, [1]), _state("b", [4, 5], 1, [2])]
+    key = BatchDescriptor(2, 2, True)
+    batch = InputBatch.prepare(["a", "b"], states, [1, 1], RuntimeMode.FULL, key, b)
+    assert batch.continues_in_place(["a", "b"], RuntimeMode.FULL, key, b)
+    assert not batch.continues_in_place(["b", "a"], RuntimeMode.FULL, key, b)
+    assert not batch.continues_in_place(["a"], RuntimeMode.FULL, key, b)
+    assert not batch.continues_in_place(["a", "b"], RuntimeMode.NONE, key, b)
+    assert not batch.continues_in_place(
+        ["a", "b"], RuntimeMode.FULL, BatchDescriptor(4, 4, True), b
+    )
+    InputBatch.make_dummy(2, 2, True, b)
+    assert not batch.continues_in_place(["a", "b"], RuntimeMode.FULL, key, b)
+    # A prompt's last-but-one token (one token, but no sample): not a decode batch.
+    chunk = _state("p", list(range(10, 20)), 8, [5, 6, 7])
+    partial = InputBatch.prepare(
+        ["p"], [chunk], [1], RuntimeMode.FULL, BatchDescriptor(1, 1, True), b
+    )
+    assert partial.sample_rows == [] and partial.positions is None
+    assert not partial.continues_in_place(["p"], RuntimeMode.FULL, BatchDescriptor(1, 1, True), b)
+
+
 def test_make_dummy_writes_one_token_requests_at_length_one_into_the_null_block() -> None:
     b = _buffers()
     b.slot_mapping.np[:] = 9

@@ -11,6 +11,7 @@ from decodegraph.core.sched_output import NewRequestData, SchedulerOutput
 from decodegraph.engine.arg_utils import EngineArgs
 from decodegraph.entrypoints.llm import LLM
 from decodegraph.platforms import get_platform
+from decodegraph.worker.input_batch import InputBatch
 from decodegraph.worker.model_runner import ModelRunner
 from tests.utils.requests import greedy
 
@@ -123,3 +124,48 @@ def test_the_profiling_forward_is_the_largest_batch_only_where_a_peak_is_measure
     runner.profile_run()
     assert seen == [512 if measures_peak else platform.profile_num_tokens(512)]
     assert seen[0] == 512 or seen[0] < 64
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL_DECODE_ONLY"])
+def test_decode_steps_written_in_place_decode_as_steps_written_afresh(
+    stories_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Continuous batching over blocks of 4 tokens: requests finish at different steps
+    and waiting ones join, and decoding requests cross a block every fourth step. The
+    steps that go on from the last one in place (InputBatch.next_decode) give the same
+    greedy ids as every step written afresh, and most steps are such."""
+    prompts = [[1, 20 + 7 * i] for i in range(6)]
+    params = [greedy(6 + 5 * i) for i in range(6)]
+
+    def generate() -> list[list[int]]:
+        llm = LLM(
+            str(stories_dir),
+            max_model_len=64,
+            max_num_seqs=3,
+            block_size=4,
+            compilation_config={
+                "cudagraph_mode": mode,
+                "cudagraph_capture_sizes": [1, 2, 4],
+                "use_inductor": False,
+            },
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    in_place: list[int] = []
+    next_decode = InputBatch.next_decode
+
+    def counted(self: InputBatch, *args: object) -> InputBatch:
+        in_place.append(self.num_reqs)
+        return next_decode(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(InputBatch, "next_decode", counted)
+    ids = generate()
+    assert [len(i) for i in ids] == [6 + 5 * i for i in range(6)]
+    # 6 + 11 + ... + 31 tokens over at most 3 rows, some 50 steps: all go on in place but
+    # the prompts' and those after a request finished or joined (about a dozen).
+    assert len(in_place) > 30 and set(in_place) <= {1, 2, 3}
+    monkeypatch.setattr(InputBatch, "continues_in_place", lambda *_: False)
+    in_place.clear()
+    assert generate() == ids
+    assert not in_place
