@@ -19,8 +19,9 @@ from decodegraph.graphs.modes import RuntimeMode
 from decodegraph.worker.input_buffers import BlockTable, InputBuffers
 from decodegraph.worker.request_state import CachedRequestState
 
-# From this many decode rows on, a step gathers their values in lists and writes each
-# array once (_write_decode_rows); below it, a value at a time is quicker.
+# From this many decode rows on, a step writes them an array at a time: gathered in
+# lists (_write_decode_rows), or from the last step's arrays in place (next_decode);
+# below it, a value at a time is quicker.
 _DECODE_ROWS_AS_LISTS = 8
 
 
@@ -56,9 +57,9 @@ class InputBatch:
     # What runs this batch and under which key (the dispatcher's answer).
     runtime_mode: RuntimeMode
     batch_descriptor: BatchDescriptor
-    # A decode batch whose every row samples: each row's position, and the buffers' write
-    # count once it was written (InputBuffers.writes); what next_decode goes on from.
-    # None for any other batch.
+    # A decode batch of _DECODE_ROWS_AS_LISTS rows or more whose every row samples: each
+    # row's position, and the buffers' write count once it was written
+    # (InputBuffers.writes); what next_decode goes on from. None for any other batch.
     positions: np.ndarray | None = field(default=None, compare=False)
     written: int = field(default=-1, compare=False)
 
@@ -157,7 +158,7 @@ class InputBatch:
         b.copy_to_device(padded_tokens, padded_reqs, num_reqs)
         b.num_reqs_np[0] = num_reqs
         b.writes += 1
-        decodes = uniform and len(sample_rows) == num_reqs
+        decodes = uniform and len(sample_rows) == num_reqs >= _DECODE_ROWS_AS_LISTS
         return cls(
             req_ids=req_ids,
             num_reqs=num_reqs,
@@ -215,10 +216,10 @@ class InputBatch:
         buffers: InputBuffers,
     ) -> bool:
         """Whether the next step's batch can be this one a token on (`next_decode`): this
-        is a decode batch whose every row sampled, the buffers hold it as it wrote them
-        (nothing wrote them since), and the next step runs the same requests in the same
-        order under the same mode and key. The caller checks that each request decodes one
-        token and none resumed (their rows would need writing afresh)."""
+        is a decode batch of `_DECODE_ROWS_AS_LISTS` rows or more whose every row sampled,
+        the buffers hold it as it wrote them (nothing wrote them since), and the next step
+        runs the same requests in the same order under the same mode and key. The caller
+        checks that each request decodes one token and none is new or resumed."""
         return (
             self.positions is not None
             and self.written == buffers.writes

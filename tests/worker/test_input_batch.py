@@ -202,7 +202,7 @@ def _sample_and_grow(states: list[CachedRequestState], tokens: list[int]) -> Non
         s.block_ids[1].append(100 + block)
 
 
-@pytest.mark.parametrize("extra", [0, 8], ids=["2 rows", "10 rows"])
+@pytest.mark.parametrize("extra", [6, 8], ids=["8 rows", "10 rows"])
 def test_next_decode_writes_what_prepare_writes_for_the_next_step(extra: int) -> None:
     """A decode batch one step on in place (InputBatch.next_decode) leaves the buffers and
     host values as a fresh prepare() of that step would: over two KV cache groups, with a
@@ -261,27 +261,33 @@ def test_next_decode_writes_what_prepare_writes_for_the_next_step(extra: int) ->
 def test_a_decode_batch_goes_on_in_place_only_from_the_buffers_as_it_left_them() -> None:
     """Not after another write into the buffers (a dummy batch of capture or of a graph
     made in the background), nor under another key or mode, nor with other requests or
-    another order; and a batch with a row that does not sample never goes on."""
-    b = _buffers()
-    states = [_state("a", [1, 2, 3], 2, [1]), _state("b", [4, 5], 1, [2])]
-    key = BatchDescriptor(2, 2, True)
-    batch = InputBatch.prepare(["a", "b"], states, [1, 1], RuntimeMode.FULL, key, b)
-    assert batch.continues_in_place(["a", "b"], RuntimeMode.FULL, key, b)
-    assert not batch.continues_in_place(["b", "a"], RuntimeMode.FULL, key, b)
-    assert not batch.continues_in_place(["a"], RuntimeMode.FULL, key, b)
-    assert not batch.continues_in_place(["a", "b"], RuntimeMode.NONE, key, b)
-    assert not batch.continues_in_place(
-        ["a", "b"], RuntimeMode.FULL, BatchDescriptor(4, 4, True), b
-    )
+    another order; never a batch with a row that does not sample, nor one of fewer rows
+    than input_batch's _DECODE_ROWS_AS_LISTS (a value at a time is quicker there)."""
+    b = _buffers(16, 12)
+
+    def decodes(n: int) -> list[CachedRequestState]:
+        return [_state(f"r{i}", [1, 2, 3], 2, [1 + i]) for i in range(n)]
+
+    ids = [f"r{i}" for i in range(8)]
+    key = BatchDescriptor(8, 8, True)
+    batch = InputBatch.prepare(ids, decodes(8), [1] * 8, RuntimeMode.FULL, key, b)
+    assert batch.continues_in_place(ids, RuntimeMode.FULL, key, b)
+    assert not batch.continues_in_place(ids[::-1], RuntimeMode.FULL, key, b)
+    assert not batch.continues_in_place(ids[:7], RuntimeMode.FULL, key, b)
+    assert not batch.continues_in_place(ids, RuntimeMode.NONE, key, b)
+    assert not batch.continues_in_place(ids, RuntimeMode.FULL, BatchDescriptor(16, 16, True), b)
     InputBatch.make_dummy(2, 2, True, b)
-    assert not batch.continues_in_place(["a", "b"], RuntimeMode.FULL, key, b)
-    # A prompt's last-but-one token (one token, but no sample): not a decode batch.
+    assert not batch.continues_in_place(ids, RuntimeMode.FULL, key, b)
+    # Seven decodes: prepare's own loop.
+    small = InputBatch.prepare(ids[:7], decodes(7), [1] * 7, RuntimeMode.FULL, key, b)
+    assert small.positions is None
+    # A prompt's last-but-one token among decodes: one token a row, but no sample there.
     chunk = _state("p", list(range(10, 20)), 8, [5, 6, 7])
-    partial = InputBatch.prepare(
-        ["p"], [chunk], [1], RuntimeMode.FULL, BatchDescriptor(1, 1, True), b
+    mixed = InputBatch.prepare(
+        [*ids[:7], "p"], [*decodes(7), chunk], [1] * 8, RuntimeMode.FULL, key, b
     )
-    assert partial.sample_rows == [] and partial.positions is None
-    assert not partial.continues_in_place(["p"], RuntimeMode.FULL, BatchDescriptor(1, 1, True), b)
+    assert mixed.sample_rows == list(range(7)) and mixed.positions is None
+    assert not mixed.continues_in_place([*ids[:7], "p"], RuntimeMode.FULL, key, b)
 
 
 def test_make_dummy_writes_one_token_requests_at_length_one_into_the_null_block() -> None:
