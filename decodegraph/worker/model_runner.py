@@ -259,9 +259,10 @@ class ModelRunner:
         last, self._last_decode = self._last_decode, None
         if last is not None and so.num_steps == 1 and num_tokens == num_reqs:
             batch, tokens = last
-            grown = self._grown_rows(so, batch)
-            if grown is not None and batch.continues_in_place(so.req_ids, mode, key, self.buffers):
-                return batch.next_decode(states, tokens, grown, self.buffers)
+            if batch.continues_in_place(so.req_ids, mode, key, self.buffers):
+                grown = self._grown_rows(so, batch)
+                if grown is not None:
+                    return batch.next_decode(states, tokens, grown, self.buffers)
         return InputBatch.prepare(
             so.req_ids, states, so.num_scheduled_tokens, mode, key, self.buffers
         )
