@@ -192,21 +192,7 @@ class InputBatch:
         seq_lens_cpu, _ = _write_rows(b, states, [1] * self.num_reqs)
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, self.num_reqs)
         b.writes += 1
-        return InputBatch(
-            self.req_ids,
-            self.num_reqs,
-            self.num_tokens,
-            self.num_reqs_after_padding,
-            self.num_tokens_after_padding,
-            1,
-            max(seq_lens_cpu),
-            True,
-            self.query_start_loc_cpu,
-            seq_lens_cpu,
-            self.sample_rows,
-            self.runtime_mode,
-            self.batch_descriptor,
-        )
+        return self._one_token_on(seq_lens_cpu)
 
     def continues_in_place(
         self,
@@ -260,11 +246,17 @@ class InputBatch:
             state.num_computed_tokens += 1  # this step computes it
         b.copy_to_device(self.num_tokens_after_padding, self.num_reqs_after_padding, n)
         b.writes += 1
-        seq_lens_cpu = seq_lens.tolist()
+        return self._one_token_on(seq_lens.tolist(), positions, b.writes)
+
+    def _one_token_on(
+        self, seq_lens_cpu: list[int], positions: np.ndarray | None = None, written: int = -1
+    ) -> InputBatch:
+        """This decode batch's host values one token on (advance, next_decode): the same
+        rows, key and sampling rows, the new context lengths."""
         return InputBatch(
             self.req_ids,
-            n,
-            n,
+            self.num_reqs,
+            self.num_tokens,
             self.num_reqs_after_padding,
             self.num_tokens_after_padding,
             1,
@@ -276,7 +268,7 @@ class InputBatch:
             self.runtime_mode,
             self.batch_descriptor,
             positions,
-            b.writes,
+            written,
         )
 
     def attention_metadata(self, buffers: InputBuffers, group: int = 0) -> AttentionMetadata:

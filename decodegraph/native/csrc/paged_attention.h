@@ -154,24 +154,24 @@ struct RowFetch {
         credit += lines;
         while (credit >= visits && block < end) {
             credit -= visits;
-            const int64_t o = static_cast<int64_t>(bt[block]) * bytes + at;
-            __builtin_prefetch(kc + o, 0, 2);
-            __builtin_prefetch(vc + o, 0, 2);
-            at += 64;
-            if (at >= bytes) {
-                at = 0;
-                block++;
-            }
+            next_line();
         }
     }
     // What is left, at once (the row ended before its vectors had fetched it all).
     void finish() {
-        for (; block < end; block++, at = 0)
-            for (; at < bytes; at += 64) {
-                const int64_t o = static_cast<int64_t>(bt[block]) * bytes + at;
-                __builtin_prefetch(kc + o, 0, 2);
-                __builtin_prefetch(vc + o, 0, 2);
-            }
+        while (block < end)
+            next_line();
+    }
+    // The next line of K and of V.
+    DG_INLINE void next_line() {
+        const int64_t o = static_cast<int64_t>(bt[block]) * bytes + at;
+        __builtin_prefetch(kc + o, 0, 2);
+        __builtin_prefetch(vc + o, 0, 2);
+        at += 64;
+        if (at >= bytes) {
+            at = 0;
+            block++;
+        }
     }
 };
 
